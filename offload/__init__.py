@@ -1,0 +1,128 @@
+"""`offload`: move PyTorch weights to host memory and stream them back just in time.
+
+Plan first (`make_plan`, pure, inspectable, serialisable), then execute. Importing this
+package does not import torch: the pure core and the errors load eagerly, and the shell
+functions that need torch (`capture_env`, `describe_layers`, `spec_from_checkpoint`) load
+on first use. Everything listed in `__all__` is the public surface.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from offload import errors, protocols
+from offload.errors import CheckpointError, ConfigError, EnvError, ExecutionError, OffloadError, PlanError
+from offload.pure import (
+    COMPUTE_DEVICE,
+    DTYPE_ITEMSIZE,
+    ENV_VARIABLES,
+    PLAN_FORMAT,
+    PRESETS,
+    Backend,
+    BackendName,
+    BackendReason,
+    BufferPlan,
+    EnvFlags,
+    EnvSnapshot,
+    LayerSpec,
+    ModelSpec,
+    OffloadConfig,
+    OffloadPlan,
+    ParamPlan,
+    ParamSpec,
+    PinDecision,
+    PinReason,
+    Placement,
+    PlanWarning,
+    Platform,
+    PrefetchSchedule,
+    UvaDecision,
+    UvaReason,
+    WarningCode,
+    check_schedule,
+    contiguous_stride,
+    decide_pinning,
+    decide_uva,
+    make_plan,
+    parse_env,
+    preset_spec,
+    render_plan,
+    resolve_backend,
+    schedule_prefetch,
+    segment_matches,
+)
+
+if TYPE_CHECKING:
+    from offload.capture import capture_env
+    from offload.checkpoint import spec_from_checkpoint
+    from offload.describe import describe_layers
+
+# Shell names that import torch, loaded on first attribute access (PEP 562).
+_LAZY = {
+    "capture_env": "offload.capture",
+    "describe_layers": "offload.describe",
+    "spec_from_checkpoint": "offload.checkpoint",
+}
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMPUTE_DEVICE",
+    "DTYPE_ITEMSIZE",
+    "ENV_VARIABLES",
+    "PLAN_FORMAT",
+    "PRESETS",
+    "Backend",
+    "BackendName",
+    "BackendReason",
+    "BufferPlan",
+    "CheckpointError",
+    "ConfigError",
+    "EnvError",
+    "EnvFlags",
+    "EnvSnapshot",
+    "ExecutionError",
+    "LayerSpec",
+    "ModelSpec",
+    "OffloadConfig",
+    "OffloadError",
+    "OffloadPlan",
+    "ParamPlan",
+    "ParamSpec",
+    "PinDecision",
+    "PinReason",
+    "Placement",
+    "PlanError",
+    "PlanWarning",
+    "Platform",
+    "PrefetchSchedule",
+    "UvaDecision",
+    "UvaReason",
+    "WarningCode",
+    "capture_env",
+    "check_schedule",
+    "contiguous_stride",
+    "decide_pinning",
+    "decide_uva",
+    "describe_layers",
+    "errors",
+    "make_plan",
+    "parse_env",
+    "preset_spec",
+    "protocols",
+    "render_plan",
+    "resolve_backend",
+    "schedule_prefetch",
+    "segment_matches",
+    "spec_from_checkpoint",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,94 @@
+"""Attrs validators shared by the value types of the pure core.
+
+Each raises the error class its caller names, with the field name and the bad value, so
+that a mistake surfaces at construction rather than deep inside an executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from offload.errors import OffloadError
+
+__all__ = ["int_at_least", "is_int", "is_bool", "is_str", "tuple_of", "tuple_of_ints"]
+
+Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def is_int(value: object) -> bool:
+    """True for ints that are not bools."""
+    # bool is an int subclass; True as a layer count is always a mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_at_least(minimum: int, error: type[OffloadError]) -> Validator:
+    """A validator accepting ints (not bools) that are at least `minimum`."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not is_int(value) or value < minimum:
+            raise error(
+                f"{attribute.name} must be an integer >= {minimum}, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def is_bool(error: type[OffloadError]) -> Validator:
+    """A validator accepting exactly True or False."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, bool):
+            raise error(
+                f"{attribute.name} must be True or False, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def is_str(error: type[OffloadError]) -> Validator:
+    """A validator accepting strings."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, str):
+            raise error(
+                f"{attribute.name} must be a string, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def tuple_of_ints(minimum: int, error: type[OffloadError]) -> Validator:
+    """A validator accepting a tuple of ints, each at least `minimum`."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(is_int(v) and v >= minimum for v in value):
+            raise error(
+                f"{attribute.name} must be a tuple of integers >= {minimum}, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def tuple_of(kind: type, error: type[OffloadError]) -> Validator:
+    """A validator accepting a tuple whose members are all instances of `kind`."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(v, kind) for v in value):
+            raise error(
+                f"{attribute.name} must be a tuple of {kind.__name__}, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check

@@ -1,0 +1,112 @@
+"""The user's offloading request, validated at construction."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import attrs
+
+from offload.errors import ConfigError
+from offload.pure._checks import int_at_least
+
+__all__ = ["BackendName", "OffloadConfig", "segment_matches"]
+
+BackendName = Literal["auto", "prefetch", "uva", "none"]
+_BACKENDS: tuple[str, ...] = get_args(BackendName)
+
+
+def _backend(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in _BACKENDS:
+        raise ConfigError(
+            f"backend must be one of {', '.join(_BACKENDS)}, got {value!r}",
+            name=attribute.name,
+            value=value,
+        )
+
+
+def _filter(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple):
+        raise ConfigError(
+            f"{attribute.name} must be a tuple of dotted name segments, got {value!r}",
+            name=attribute.name,
+            value=value,
+        )
+    for segment in value:
+        if (
+            not isinstance(segment, str)
+            or segment.strip() != segment
+            or any(part == "" or any(ch.isspace() for ch in part) for part in segment.split("."))
+        ):
+            raise ConfigError(
+                f"{attribute.name} segment {segment!r} is not a dotted name "
+                "(empty parts and spaces are not allowed)",
+                name=attribute.name,
+                value=segment,
+            )
+
+
+def segment_matches(segment: str, name: str) -> bool:
+    """True when the dotted `segment` occurs in `name` as whole dot-separated parts.
+
+    ``experts.w2_weight`` matches ``mlp.experts.w2_weight`` but not
+    ``mlp.experts.w2_weight_scale`` nor ``mlp.shared_experts.w2_weight``.
+    """
+    parts = name.split(".")
+    wanted = segment.split(".")
+    width = len(wanted)
+    return any(parts[i : i + width] == wanted for i in range(len(parts) - width + 1))
+
+
+@attrs.frozen(kw_only=True)
+class OffloadConfig:
+    """What the user asks for.
+
+    Attributes:
+        backend: "prefetch", "uva", "none", or "auto": prefetch when `group_size` > 0,
+            else uva when `uva_max_bytes` > 0, else none.
+        group_size: prefetch: layers per group (0 = prefetch not configured).
+        num_in_group: prefetch: how many of each group's last layers are offloaded.
+        prefetch_step: prefetch: how many offloaded layers ahead copies are issued; also
+            the number of static buffer slots per parameter key.
+        uva_max_bytes: uva: offload parameters in layer order until this many bytes are
+            offloaded (the last one may cross it); 0 = uva not configured.
+        param_filter: dotted name segments; when non-empty only parameters whose names
+            contain one of them (whole parts) are offloaded.
+
+    Raises:
+        ConfigError: at construction, for a bad value or combination, naming it.
+    """
+
+    backend: BackendName = attrs.field(default="auto", validator=_backend)
+    group_size: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
+    num_in_group: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
+    prefetch_step: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
+    uva_max_bytes: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
+    param_filter: tuple[str, ...] = attrs.field(default=(), validator=_filter)
+
+    def __attrs_post_init__(self) -> None:
+        if self.group_size > 0 and self.num_in_group > self.group_size:
+            raise ConfigError(
+                f"num_in_group ({self.num_in_group}) is larger than group_size ({self.group_size}); "
+                "a group cannot offload more layers than it has",
+                name="num_in_group",
+                value=self.num_in_group,
+            )
+        if self.backend == "prefetch" and self.group_size == 0:
+            raise ConfigError(
+                "backend 'prefetch' needs group_size > 0 (which layers to offload)",
+                name="group_size",
+                value=self.group_size,
+            )
+        if self.backend == "uva" and self.uva_max_bytes == 0:
+            raise ConfigError(
+                "backend 'uva' needs uva_max_bytes > 0 (how many bytes to offload)",
+                name="uva_max_bytes",
+                value=self.uva_max_bytes,
+            )
+        if len(set(self.param_filter)) != len(self.param_filter):
+            raise ConfigError(
+                f"param_filter repeats a segment: {self.param_filter!r}",
+                name="param_filter",
+                value=self.param_filter,
+            )

@@ -1,0 +1,146 @@
+"""The pin and UVA decisions: made once, here, and obeyed by every backend.
+
+`decide_pinning` is the single source of truth for whether host copies of weights are
+pinned (page-locked). The bug this project was born from was a backend that decided for
+itself and ignored the user's "do not pin" switch, running unified-memory machines out of
+memory. No other function in `offload` decides pinning; executors read ``plan.pin``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from offload.pure.env import ENV_VARIABLES, EnvSnapshot
+
+__all__ = [
+    "PinDecision",
+    "PinReason",
+    "UvaDecision",
+    "UvaReason",
+    "decide_pinning",
+    "decide_uva",
+]
+
+
+class PinReason(enum.Enum):
+    """Why host copies are, or are not, pinned."""
+
+    ENABLED = "enabled"
+    DISABLED_BY_ENV = "disabled_by_env"
+    NO_ACCELERATOR = "no_accelerator"
+    WSL = "wsl"
+
+
+_PIN_TEXT = {
+    PinReason.ENABLED: "host copies are pinned: fast asynchronous copies, capturable in CUDA graphs",
+    PinReason.DISABLED_BY_ENV: (
+        "the user turned pinning off ({} or {}); the switch wins over everything".format(
+            *ENV_VARIABLES["disable_pin_memory"]
+        )
+    ),
+    PinReason.NO_ACCELERATOR: "no accelerator: there is no device to pin host memory for",
+    PinReason.WSL: "WSL limits pinned memory, so it is not used there",
+}
+
+
+@attrs.frozen(kw_only=True)
+class PinDecision:
+    """Whether host copies of offloaded weights are pinned, and why.
+
+    Attributes:
+        pin: True to pin (or register) host copies; False to keep them pageable.
+        reason: why.
+    """
+
+    pin: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+    reason: PinReason = attrs.field(validator=attrs.validators.instance_of(PinReason))
+
+    @property
+    def explanation(self) -> str:
+        """One sentence a person can read."""
+        return _PIN_TEXT[self.reason]
+
+
+def decide_pinning(env: EnvSnapshot) -> PinDecision:
+    """Decide, once, whether host copies of weights are pinned.
+
+    The user's switch wins over everything; then a machine without an accelerator has
+    nothing to pin for; then WSL, whose pinned memory is limited.
+
+    Args:
+        env: the snapshot of switches and platform.
+
+    Returns:
+        The decision every backend obeys.
+    """
+    if env.flags.disable_pin_memory:
+        return PinDecision(pin=False, reason=PinReason.DISABLED_BY_ENV)
+    if not env.platform.has_cuda:
+        return PinDecision(pin=False, reason=PinReason.NO_ACCELERATOR)
+    if env.platform.is_wsl:
+        return PinDecision(pin=False, reason=PinReason.WSL)
+    return PinDecision(pin=True, reason=PinReason.ENABLED)
+
+
+class UvaReason(enum.Enum):
+    """Why zero-copy (UVA) device views of host memory are, or are not, used."""
+
+    ENABLED = "enabled"
+    DISABLED_BY_ENV = "disabled_by_env"
+    NO_ACCELERATOR = "no_accelerator"
+    NO_HOST_MAPPING = "no_host_mapping"
+    NOT_PINNED = "not_pinned"
+
+
+_UVA_TEXT = {
+    UvaReason.ENABLED: "the device reads pinned host memory in place through zero-copy views",
+    UvaReason.DISABLED_BY_ENV: "the user turned UVA off ({} or {})".format(*ENV_VARIABLES["disable_uva"]),
+    UvaReason.NO_ACCELERATOR: "no accelerator: there is no device to map host memory into",
+    UvaReason.NO_HOST_MAPPING: "the device cannot map host memory (cudaDevAttrCanMapHostMemory is 0)",
+    UvaReason.NOT_PINNED: "host copies are not pinned, and a zero-copy view needs pinned or registered memory",
+}
+
+
+@attrs.frozen(kw_only=True)
+class UvaDecision:
+    """Whether UVA-planned weights are read through zero-copy views, and why.
+
+    Attributes:
+        enabled: True for zero-copy views; False means the UVA backend falls back to
+            copying weights on demand.
+        reason: why.
+    """
+
+    enabled: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+    reason: UvaReason = attrs.field(validator=attrs.validators.instance_of(UvaReason))
+
+    @property
+    def explanation(self) -> str:
+        """One sentence a person can read."""
+        return _UVA_TEXT[self.reason]
+
+
+def decide_uva(env: EnvSnapshot, pin: PinDecision) -> UvaDecision:
+    """Decide, once, whether zero-copy device views of host memory are used.
+
+    UVA needs the user's consent, a CUDA device that can map host memory, and host
+    copies that are pinned or registered (so it follows the pin decision).
+
+    Args:
+        env: the snapshot of switches and platform.
+        pin: the decision from `decide_pinning` for the same snapshot.
+
+    Returns:
+        The decision the UVA backend obeys.
+    """
+    if env.flags.disable_uva:
+        return UvaDecision(enabled=False, reason=UvaReason.DISABLED_BY_ENV)
+    if not env.platform.has_cuda:
+        return UvaDecision(enabled=False, reason=UvaReason.NO_ACCELERATOR)
+    if not env.platform.can_map_host_memory:
+        return UvaDecision(enabled=False, reason=UvaReason.NO_HOST_MAPPING)
+    if not pin.pin:
+        return UvaDecision(enabled=False, reason=UvaReason.NOT_PINNED)
+    return UvaDecision(enabled=True, reason=UvaReason.ENABLED)

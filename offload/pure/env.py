@@ -1,0 +1,194 @@
+"""The environment as values: the user's switches, the platform, and their snapshot.
+
+Nothing here reads the environment. `parse_env` takes a mapping that the caller supplies
+(`capture_env` passes ``os.environ``; tests pass a dict), and `Platform` is filled in by
+the shell (`offload.capture`) or written by hand in tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from typing import Any
+
+import attrs
+
+from offload.errors import EnvError, PlanError
+from offload.pure._checks import int_at_least, is_bool, is_str
+
+__all__ = [
+    "ENV_VARIABLES",
+    "EnvFlags",
+    "EnvSnapshot",
+    "Platform",
+    "parse_env",
+]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+#: Each flag of `EnvFlags` and the variables that set it: our own spelling first, then the
+#: engine-compatible alias. Both are read; if both are set they must agree.
+ENV_VARIABLES: Mapping[str, tuple[str, str]] = {
+    "disable_pin_memory": (
+        "OFFLOAD_DISABLE_PIN_MEMORY",
+        "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY",
+    ),
+    "disable_uva": (
+        "OFFLOAD_DISABLE_UVA",
+        "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA",
+    ),
+}
+
+
+@attrs.frozen(kw_only=True)
+class EnvFlags:
+    """The user's switches.
+
+    Attributes:
+        disable_pin_memory: never pin or register host memory (set this on unified-memory
+            machines such as GH200, where pinned host memory competes with device memory).
+        disable_uva: never read weights through zero-copy device views of host memory.
+    """
+
+    disable_pin_memory: bool = attrs.field(default=False, validator=is_bool(EnvError))
+    disable_uva: bool = attrs.field(default=False, validator=is_bool(EnvError))
+
+
+def _parse_bool(variable: str, raw: str) -> bool | None:
+    value = raw.strip().lower()
+    if value == "":
+        return None
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise EnvError(
+        f"{variable}={raw!r} is not a switch value; use 1/0, true/false, yes/no or on/off",
+        name=variable,
+        value=raw,
+    )
+
+
+def parse_env(environ: Mapping[str, str]) -> EnvFlags:
+    """Read the user's switches from an environment mapping.
+
+    Args:
+        environ: variable name to value, usually ``os.environ`` passed by the shell.
+
+    Returns:
+        The flags; a variable that is unset or empty counts as not set (False).
+
+    Raises:
+        EnvError: a value is not one of 1/0, true/false, yes/no, on/off (any case,
+            surrounding space ignored), or both spellings of a switch are set and disagree.
+    """
+    values: dict[str, bool] = {}
+    for flag, (primary, alias) in ENV_VARIABLES.items():
+        ours = _parse_bool(primary, environ[primary]) if primary in environ else None
+        theirs = _parse_bool(alias, environ[alias]) if alias in environ else None
+        if ours is not None and theirs is not None and ours != theirs:
+            raise EnvError(
+                f"{primary}={environ[primary]!r} and {alias}={environ[alias]!r} disagree; "
+                "unset one of them or make them equal",
+                name=f"{primary}, {alias}",
+                value=(environ[primary], environ[alias]),
+            )
+        values[flag] = bool(ours if ours is not None else theirs)
+    return EnvFlags(**values)
+
+
+def _optional_non_negative(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PlanError(
+            f"{attribute.name} must be None or an integer >= 0, got {value!r}",
+            name=attribute.name,
+            value=value,
+        )
+
+
+def _notes(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"{attribute.name} must be a tuple of strings, got {value!r}",
+                        name=attribute.name, value=value)
+
+
+@attrs.frozen(kw_only=True)
+class Platform:
+    """What this machine can do. The defaults describe a machine without an accelerator.
+
+    Attributes:
+        has_cuda: a CUDA device is usable; the compute device is ``cuda:0``. Without it the
+            compute device is the CPU.
+        device_name: the compute device's name as the driver reports it.
+        device_total_bytes: total memory of the compute device, in bytes (0 without CUDA).
+        compute_capability: "major.minor", empty without CUDA.
+        is_integrated: the GPU shares one memory pool with the host (Jetson, GB10), so
+            offloading frees no physical memory.
+        pageable_memory_access: the device can access pageable host memory
+            (cudaDevAttrPageableMemoryAccess, attribute 88).
+        pageable_uses_host_page_tables: it does so through the host's page tables, i.e.
+            hardware-coherent unified memory such as GH200 (attribute 100).
+        can_map_host_memory: host memory can be mapped into the device's address space,
+            which zero-copy (UVA) views need (attribute 19).
+        can_register_host_memory: existing host memory can be page-locked in place with
+            cudaHostRegister (attribute 99).
+        is_wsl: running under Windows Subsystem for Linux, where pinned memory is limited.
+        memlock_limit_bytes: the soft RLIMIT_MEMLOCK in bytes; None means unlimited.
+        host_total_bytes: host RAM in bytes; None when unknown.
+        host_available_bytes: host RAM available for new allocations (MemAvailable), in
+            bytes; None when unknown.
+        torch_version: ``torch.__version__``, empty when torch was not consulted.
+        probe_notes: what the probe could not read and assumed instead, one line each.
+    """
+
+    has_cuda: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    device_name: str = attrs.field(default="cpu", validator=is_str(PlanError))
+    device_total_bytes: int = attrs.field(default=0, validator=int_at_least(0, PlanError))
+    compute_capability: str = attrs.field(default="", validator=is_str(PlanError))
+    is_integrated: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    pageable_memory_access: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    pageable_uses_host_page_tables: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    can_map_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    can_register_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    is_wsl: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    memlock_limit_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    host_total_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    host_available_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    torch_version: str = attrs.field(default="", validator=is_str(PlanError))
+    probe_notes: tuple[str, ...] = attrs.field(default=(), validator=_notes)
+
+    @property
+    def is_coherent_unified_memory(self) -> bool:
+        """True on hardware-coherent unified memory (GH200, GB200)."""
+        return self.has_cuda and self.pageable_memory_access and self.pageable_uses_host_page_tables
+
+
+@attrs.frozen(kw_only=True)
+class EnvSnapshot:
+    """Everything a plan depends on besides the model and the config.
+
+    Attributes:
+        flags: the user's switches.
+        platform: what the machine can do.
+    """
+
+    flags: EnvFlags = attrs.field(factory=EnvFlags, validator=attrs.validators.instance_of(EnvFlags))
+    platform: Platform = attrs.field(factory=Platform, validator=attrs.validators.instance_of(Platform))
+
+    def fingerprint(self) -> str:
+        """A stable 16-hex-digit digest of every field.
+
+        Equal snapshots give equal fingerprints in every process and on every machine
+        (no use of ``hash()``), so a saved plan can be checked against the machine it runs on.
+        """
+        canonical = json.dumps(
+            {"flags": attrs.asdict(self.flags), "platform": attrs.asdict(self.platform)},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]

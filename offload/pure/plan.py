@@ -1,0 +1,313 @@
+"""The plan: every offloading decision, resolved, immutable and serialisable.
+
+`make_plan` (in `offload.pure.planner`) builds it; executors only read it. A plan
+round-trips through JSON without loss (`to_json` / `from_json`) and is checked on
+construction, so a plan read back from a file is held to the same rules as a fresh one.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+
+from typing import Any
+
+import attrs
+
+from offload.errors import PlanError
+from offload.pure._checks import int_at_least, is_str, tuple_of, tuple_of_ints
+from offload.pure.config import OffloadConfig
+from offload.pure.decisions import PinDecision, UvaDecision
+from offload.pure.schedule import PrefetchSchedule, check_schedule
+from offload.pure.serialize import from_data, to_data
+
+__all__ = [
+    "PLAN_FORMAT",
+    "Backend",
+    "BackendReason",
+    "BufferPlan",
+    "OffloadPlan",
+    "ParamPlan",
+    "Placement",
+    "PlanWarning",
+    "WarningCode",
+]
+
+#: The ``format`` tag of a serialised plan; bumped when the layout changes.
+PLAN_FORMAT = "offload-plan/1"
+
+
+class Backend(enum.Enum):
+    """The backend that runs the plan."""
+
+    PREFETCH = "prefetch"
+    UVA = "uva"
+    NONE = "none"
+
+
+class BackendReason(enum.Enum):
+    """Why that backend."""
+
+    EXPLICIT = "explicit"
+    AUTO_GROUP_SIZE = "auto_group_size"
+    AUTO_UVA_BUDGET = "auto_uva_budget"
+    AUTO_NOTHING_CONFIGURED = "auto_nothing_configured"
+
+
+class Placement(enum.Enum):
+    """Where a parameter lives while the model runs."""
+
+    RESIDENT = "resident"  # stays where it is (on the device, or on the host if it was there)
+    PREFETCH = "prefetch"  # host copy, streamed into a static device buffer before its layer
+    UVA = "uva"  # host copy, read in place by the device through a zero-copy view
+    ON_DEMAND = "on_demand"  # host copy, moved to the device for each call of its layer
+
+
+OFFLOADED_PLACEMENTS = frozenset({Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND})
+
+
+class WarningCode(enum.Enum):
+    """Kinds of plan warning."""
+
+    FILTER_MATCHED_NOTHING = "filter_matched_nothing"
+    MODEL_FITS_ON_DEVICE = "model_fits_on_device"
+    PREFETCH_STALLS = "prefetch_stalls"
+    PREFETCH_DEPTH_COVERS_ALL = "prefetch_depth_covers_all"
+    INTEGRATED_GPU = "integrated_gpu"
+    PREFETCH_UNPINNED = "prefetch_unpinned"
+    HOST_MEMORY_SHORT = "host_memory_short"
+    MEMLOCK_LIMIT = "memlock_limit"
+    NO_ACCELERATOR = "no_accelerator"
+    COHERENT_UNIFIED_MEMORY = "coherent_unified_memory"
+    ON_DEMAND_SLOW = "on_demand_slow"
+    BOTH_BACKENDS_CONFIGURED = "both_backends_configured"
+    SETTINGS_UNUSED = "settings_unused"
+    NOTHING_OFFLOADED = "nothing_offloaded"
+    TIED_KEPT_RESIDENT = "tied_kept_resident"
+
+
+@attrs.frozen(kw_only=True)
+class PlanWarning:
+    """Something the user should know before running the plan.
+
+    Attributes:
+        code: the kind, for programs.
+        message: the explanation, for people; it names the values involved.
+    """
+
+    code: WarningCode = attrs.field(validator=attrs.validators.instance_of(WarningCode))
+    message: str = attrs.field(validator=is_str(PlanError))
+
+
+def _optional_tie(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, tuple)
+        or len(value) != 2
+        or not isinstance(value[0], int)
+        or not isinstance(value[1], str)
+    ):
+        raise PlanError(f"{attribute.name} must be None or (layer, name), got {value!r}",
+                        name=attribute.name, value=value)
+
+
+def _optional_slot(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise PlanError(f"{attribute.name} must be None or an integer >= 0, got {value!r}",
+                        name=attribute.name, value=value)
+
+
+@attrs.frozen(kw_only=True)
+class ParamPlan:
+    """The decision for one parameter.
+
+    Attributes:
+        layer: index of its layer.
+        name: its name relative to the layer.
+        shape: sizes, in elements.
+        stride: strides, in elements; the host copy and the device buffer keep them.
+        dtype: torch dtype name without ``torch.``.
+        itemsize: bytes per element.
+        nbytes: bytes its elements span.
+        device: where it was when planned (see `ParamSpec.device`).
+        placement: where it lives while the model runs.
+        slot: for PREFETCH, the static buffer slot of its buffer key; None otherwise.
+        tied_to: (layer, name) of the first parameter sharing its storage, which holds the
+            one host copy; None when it is that first one or is not tied.
+    """
+
+    layer: int = attrs.field(validator=int_at_least(0, PlanError))
+    name: str = attrs.field(validator=is_str(PlanError))
+    shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    stride: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    dtype: str = attrs.field(validator=is_str(PlanError))
+    itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
+    nbytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    device: str = attrs.field(validator=is_str(PlanError))
+    placement: Placement = attrs.field(validator=attrs.validators.instance_of(Placement))
+    slot: int | None = attrs.field(default=None, validator=_optional_slot)
+    tied_to: tuple[int, str] | None = attrs.field(default=None, validator=_optional_tie)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.placement is Placement.PREFETCH) != (self.slot is not None):
+            raise PlanError(
+                f"parameter {self.layer}:{self.name}: a slot is given exactly for PREFETCH "
+                f"placements, got placement {self.placement.value} with slot {self.slot}",
+                name=self.name,
+                value=self.slot,
+            )
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the parameter leaves the compute device."""
+        return self.placement in OFFLOADED_PLACEMENTS
+
+    @property
+    def buffer_key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
+        """The static buffer key: (name, shape, stride, dtype)."""
+        return (self.name, self.shape, self.stride, self.dtype)
+
+
+@attrs.frozen(kw_only=True)
+class BufferPlan:
+    """A static device buffer key and the slots allocated for it (prefetch only).
+
+    Attributes:
+        name, shape, stride, dtype: the key; parameters with the same name, shape, stride
+            and dtype in different layers take turns in its slots.
+        itemsize: bytes per element.
+        slot_bytes: bytes of one slot.
+        slots: the slot numbers allocated (those some offloaded layer uses).
+    """
+
+    name: str = attrs.field(validator=is_str(PlanError))
+    shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    stride: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    dtype: str = attrs.field(validator=is_str(PlanError))
+    itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
+    slot_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    slots: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
+        """(name, shape, stride, dtype)."""
+        return (self.name, self.shape, self.stride, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of all its slots."""
+        return self.slot_bytes * len(self.slots)
+
+
+@attrs.frozen(kw_only=True)
+class OffloadPlan:
+    """Everything that will happen, decided. Executors only read it.
+
+    Attributes:
+        config: the request the plan answers.
+        backend: the backend that runs it.
+        backend_reason: why that backend.
+        pin: the pin decision every backend obeys.
+        uva: the UVA decision.
+        params: one entry per parameter, in layer order then ``named_parameters()`` order.
+        offloaded_layers: prefetch: the layer index of each schedule position, in order.
+        buffers: prefetch: the static device buffers, one per key.
+        schedule: prefetch: slots and copy order over `offloaded_layers` (empty otherwise).
+        offloaded_bytes: bytes that leave the compute device's weights (each storage once).
+        device_bytes_freed: device memory released, in bytes (0 without an accelerator,
+            where the compute device is the CPU).
+        device_bytes_buffers: device memory the static buffers take, in bytes.
+        device_bytes_resident: bytes of weights that stay on the compute device.
+        host_bytes: host memory the host copies take, in bytes (exact size).
+        warnings: what the user should know.
+        env_fingerprint: `EnvSnapshot.fingerprint()` of the snapshot the plan was made for.
+    """
+
+    config: OffloadConfig = attrs.field(validator=attrs.validators.instance_of(OffloadConfig))
+    backend: Backend = attrs.field(validator=attrs.validators.instance_of(Backend))
+    backend_reason: BackendReason = attrs.field(validator=attrs.validators.instance_of(BackendReason))
+    pin: PinDecision = attrs.field(validator=attrs.validators.instance_of(PinDecision))
+    uva: UvaDecision = attrs.field(validator=attrs.validators.instance_of(UvaDecision))
+    params: tuple[ParamPlan, ...] = attrs.field(validator=tuple_of(ParamPlan, PlanError))
+    offloaded_layers: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    buffers: tuple[BufferPlan, ...] = attrs.field(validator=tuple_of(BufferPlan, PlanError))
+    schedule: PrefetchSchedule = attrs.field(validator=attrs.validators.instance_of(PrefetchSchedule))
+    offloaded_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    device_bytes_freed: int = attrs.field(validator=int_at_least(0, PlanError))
+    device_bytes_buffers: int = attrs.field(validator=int_at_least(0, PlanError))
+    device_bytes_resident: int = attrs.field(validator=int_at_least(0, PlanError))
+    host_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    warnings: tuple[PlanWarning, ...] = attrs.field(validator=tuple_of(PlanWarning, PlanError))
+    env_fingerprint: str = attrs.field(validator=is_str(PlanError))
+
+    def __attrs_post_init__(self) -> None:
+        if self.schedule.num_positions != len(self.offloaded_layers):
+            raise PlanError(
+                f"the schedule covers {self.schedule.num_positions} positions but "
+                f"{len(self.offloaded_layers)} layers are offloaded",
+                name="schedule",
+                value=self.schedule.num_positions,
+            )
+        check_schedule(self.schedule)
+        if self.device_bytes_buffers != sum(b.nbytes for b in self.buffers):
+            raise PlanError(
+                f"device_bytes_buffers {self.device_bytes_buffers} is not the sum of the buffers",
+                name="device_bytes_buffers",
+                value=self.device_bytes_buffers,
+            )
+        keys = {b.key: b for b in self.buffers}
+        positions = {layer: i for i, layer in enumerate(self.offloaded_layers)}
+        for p in self.params:
+            if p.placement is not Placement.PREFETCH:
+                continue
+            where = f"parameter {p.layer}:{p.name}"
+            if p.layer not in positions:
+                raise PlanError(f"{where} is PREFETCH but layer {p.layer} is not offloaded",
+                                name=p.name, value=p.layer)
+            expected = self.schedule.slots[positions[p.layer]]
+            if p.slot != expected:
+                raise PlanError(f"{where} has slot {p.slot}, the schedule says {expected}",
+                                name=p.name, value=p.slot)
+            if p.tied_to is not None and p.tied_to[0] == p.layer:
+                continue  # shares the buffer of the parameter it is tied to
+            buffer = keys.get(p.buffer_key)
+            if buffer is None or p.slot not in buffer.slots:
+                raise PlanError(f"{where} has no buffer slot {p.slot} for key {p.buffer_key}",
+                                name=p.name, value=p.slot)
+
+    @property
+    def offloaded_params(self) -> tuple[ParamPlan, ...]:
+        """The parameters that leave the compute device."""
+        return tuple(p for p in self.params if p.offloaded)
+
+    @property
+    def device_bytes_saved(self) -> int:
+        """Net device memory saved, in bytes: freed minus static buffers (never negative)."""
+        return max(0, self.device_bytes_freed - self.device_bytes_buffers)
+
+    def warning_codes(self) -> frozenset[WarningCode]:
+        """The codes of all warnings, for quick membership tests."""
+        return frozenset(w.code for w in self.warnings)
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Serialise without loss; `OffloadPlan.from_json` reads it back equal."""
+        return json.dumps({"format": PLAN_FORMAT, "plan": to_data(self)}, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> OffloadPlan:
+        """Read a plan written by `to_json`.
+
+        Raises:
+            PlanError: the text is not JSON, not a plan of this format, or the plan breaks
+                a rule (the same checks as a freshly made plan).
+        """
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan JSON does not parse: {exc}", name="json", value=None) from exc
+        if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
+            found = document.get("format") if isinstance(document, dict) else type(document).__name__
+            raise PlanError(f"not an {PLAN_FORMAT} document (format is {found!r})",
+                            name="format", value=found)
+        return from_data(cls, document.get("plan"))

@@ -1,0 +1,133 @@
+"""Plans as text for people: a header of decisions, a table, totals in GiB, warnings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
+from offload.pure.units import format_bytes
+
+__all__ = ["render_plan", "render_table"]
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to width; numbers (cells starting with a digit) right-aligned."""
+    widths = [len(h) for h in header]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        parts = []
+        for i, cell in enumerate(cells):
+            numeric = cell[:1].isdigit()
+            parts.append(cell.rjust(widths[i]) if numeric else cell.ljust(widths[i]))
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def _placement_text(p: ParamPlan) -> str:
+    if p.placement is Placement.PREFETCH:
+        return f"prefetch (slot {p.slot})"
+    return str(p.placement.value).replace("_", "-")
+
+
+def _layer_rows(plan: OffloadPlan) -> list[list[str]]:
+    by_layer: dict[int, list[ParamPlan]] = {}
+    for p in plan.params:
+        by_layer.setdefault(p.layer, []).append(p)
+    # Consecutive layers with identical rows collapse into one ("0-2"), so a plan for a
+    # deep model stays readable.
+    runs: list[tuple[int, int, list[str]]] = []
+    for layer, params in by_layer.items():
+        gone = [p for p in params if p.offloaded and p.tied_to is None]
+        kinds = sorted({_placement_text(p) for p in params if p.offloaded})
+        cells = [
+            f"{sum(p.offloaded for p in params)}/{len(params)}",
+            format_bytes(sum(p.nbytes for p in gone)),
+            ", ".join(kinds) if kinds else "resident",
+        ]
+        if runs and runs[-1][2] == cells and runs[-1][1] == layer - 1:
+            runs[-1] = (runs[-1][0], layer, cells)
+        else:
+            runs.append((layer, layer, cells))
+    return [[str(a) if a == b else f"{a}-{b}", *cells] for a, b, cells in runs]
+
+
+def _param_rows(plan: OffloadPlan) -> list[list[str]]:
+    return [
+        [
+            str(p.layer),
+            p.name,
+            "x".join(map(str, p.shape)) or "scalar",
+            p.dtype,
+            format_bytes(p.nbytes),
+            _placement_text(p) + (f" (tied to {p.tied_to[0]}:{p.tied_to[1]})" if p.tied_to else ""),
+        ]
+        for p in plan.params
+    ]
+
+
+def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
+    """A readable description of the plan.
+
+    Args:
+        plan: the plan.
+        per_param: one row per parameter instead of one per layer.
+
+    Returns:
+        Multi-line text: decisions with reasons, the table, buffers, totals, warnings.
+    """
+    c = plan.config
+    lines = [
+        f"backend:  {plan.backend.value} ({plan.backend_reason.value.replace('_', ' ')})",
+        f"pinning:  {'on' if plan.pin.pin else 'off'}: {plan.pin.explanation}",
+        f"uva:      {'on' if plan.uva.enabled else 'off'}: {plan.uva.explanation}",
+    ]
+    if plan.backend is Backend.PREFETCH:
+        lines.append(
+            f"prefetch: group_size {c.group_size}, num_in_group {c.num_in_group}, "
+            f"prefetch_step {c.prefetch_step}; {len(plan.offloaded_layers)} layers offloaded, "
+            f"{plan.schedule.num_slots} slots per buffer key"
+        )
+    if plan.backend is Backend.UVA:
+        lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")
+    if c.param_filter:
+        lines.append(f"filter:   {', '.join(c.param_filter)}")
+    lines.append(f"snapshot: {plan.env_fingerprint}")
+    lines.append("")
+    if per_param:
+        lines.append(render_table(["layer", "parameter", "shape", "dtype", "bytes", "placement"], _param_rows(plan)))
+    else:
+        lines.append(render_table(["layers", "offloaded", "bytes offloaded (each)", "placement"], _layer_rows(plan)))
+    if plan.buffers:
+        lines.append("")
+        lines.append(render_table(
+            ["buffer key", "shape", "dtype", "slots", "bytes"],
+            [
+                [b.name, "x".join(map(str, b.shape)) or "scalar", b.dtype, str(len(b.slots)), format_bytes(b.nbytes)]
+                for b in plan.buffers
+            ],
+        ))
+    lines.append("")
+    lines.append(render_table(
+        ["total", "bytes", "GiB"],
+        [
+            [name, str(value), f"{value / (1 << 30):.2f}"]
+            for name, value in (
+                ("offloaded", plan.offloaded_bytes),
+                ("device freed", plan.device_bytes_freed),
+                ("device buffers", plan.device_bytes_buffers),
+                ("device saved (net)", plan.device_bytes_saved),
+                ("device resident", plan.device_bytes_resident),
+                ("host", plan.host_bytes),
+            )
+        ],
+    ))
+    if plan.warnings:
+        lines.append("")
+        lines.append("warnings:")
+        lines.extend(f"  [{w.code.value}] {w.message}" for w in plan.warnings)
+    return "\n".join(lines)

@@ -1,0 +1,221 @@
+"""What a model's layers hold: parameter names, shapes, strides, dtypes and bytes.
+
+A `ModelSpec` is built by the shell from live modules (`offload.describe_layers`) or from
+checkpoint headers (`offload.checkpoint`), or by hand; it never holds a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from typing import Any
+
+import attrs
+
+from offload.errors import PlanError
+from offload.pure._checks import int_at_least, is_str, tuple_of_ints
+
+__all__ = [
+    "COMPUTE_DEVICE",
+    "DTYPE_ITEMSIZE",
+    "LayerSpec",
+    "ModelSpec",
+    "ParamSpec",
+    "contiguous_stride",
+]
+
+#: The device of a parameter that is not loaded yet and will be loaded onto the compute
+#: device (presets and checkpoints). It is eligible for offloading on every platform.
+COMPUTE_DEVICE = "compute"
+
+#: Bytes per element of the torch dtypes we know, by name without the ``torch.`` prefix.
+#: Sized by element size, never by ``finfo`` (which integer and float8 dtypes lack or
+#: misreport). A dtype missing here is accepted with the itemsize the caller gives.
+DTYPE_ITEMSIZE: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major (C-contiguous) strides, in elements, of `shape`."""
+    stride: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _optional_key(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or value == ""):
+        raise PlanError(f"{attribute.name} must be None or a non-empty string, got {value!r}",
+                        name=attribute.name, value=value)
+
+
+def _non_empty_name(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, str) or value == "":
+        raise PlanError(f"{attribute.name} must be a non-empty string, got {value!r}",
+                        name=attribute.name, value=value)
+
+
+@attrs.frozen(kw_only=True)
+class ParamSpec:
+    """One parameter of a layer, without its data.
+
+    Attributes:
+        name: the dotted name relative to its layer, as ``named_parameters()`` gives it
+            (``mlp.up.weight``).
+        shape: sizes, in elements.
+        stride: strides, in elements; equal to `contiguous_stride(shape)` unless the
+            tensor is a non-contiguous view (e.g. transposed).
+        dtype: the torch dtype's name without ``torch.`` (``bfloat16``, ``float8_e4m3fn``).
+        itemsize: bytes per element.
+        storage_key: parameters with the same non-None key are the same tensor (tied) and
+            are stored once; None means not shared.
+        device: where the data lives now (``cuda:0``, ``cpu``, ``meta``), or
+            `COMPUTE_DEVICE` for weights that will be loaded onto the compute device.
+    """
+
+    name: str = attrs.field(validator=_non_empty_name)
+    shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    stride: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    dtype: str = attrs.field(validator=_non_empty_name)
+    itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
+    storage_key: str | None = attrs.field(default=None, validator=_optional_key)
+    device: str = attrs.field(default=COMPUTE_DEVICE, validator=is_str(PlanError))
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.shape) != len(self.stride):
+            raise PlanError(
+                f"parameter {self.name!r}: shape {self.shape} and stride {self.stride} "
+                "have different lengths",
+                name=self.name,
+                value=(self.shape, self.stride),
+            )
+        known = DTYPE_ITEMSIZE.get(self.dtype)
+        if known is not None and known != self.itemsize:
+            raise PlanError(
+                f"parameter {self.name!r}: dtype {self.dtype} has itemsize {known}, "
+                f"got {self.itemsize}",
+                name=self.name,
+                value=self.itemsize,
+            )
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes spanned by the elements in storage, for any strides.
+
+        For a contiguous tensor this is ``numel * itemsize``; for a transposed or sliced
+        view it is the extent from the first to the last element, which is what a
+        stride-preserving host copy occupies. Zero for an empty tensor.
+        """
+        if self.numel == 0:
+            return 0
+        last = sum((size - 1) * step for size, step in zip(self.shape, self.stride, strict=True))
+        return (last + 1) * self.itemsize
+
+
+def _params(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(p, ParamSpec) for p in value):
+        raise PlanError(f"{attribute.name} must be a tuple of ParamSpec", name=attribute.name, value=value)
+
+
+@attrs.frozen(kw_only=True)
+class LayerSpec:
+    """One layer: the unit that is offloaded and prefetched as a whole.
+
+    Attributes:
+        index: the layer's position in the model, counted from 0.
+        name: a label for people (``model.layers.3`` or the module's class name).
+        params: the layer's parameters in ``named_parameters()`` order; names are unique.
+    """
+
+    index: int = attrs.field(validator=int_at_least(0, PlanError))
+    name: str = attrs.field(validator=is_str(PlanError))
+    params: tuple[ParamSpec, ...] = attrs.field(validator=_params)
+
+    def __attrs_post_init__(self) -> None:
+        seen: set[str] = set()
+        for param in self.params:
+            if param.name in seen:
+                raise PlanError(
+                    f"layer {self.index} ({self.name}) has two parameters named {param.name!r}",
+                    name=param.name,
+                    value=self.index,
+                )
+            seen.add(param.name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all parameters, tied ones counted once per distinct storage key."""
+        return _unique_bytes(self.params)
+
+
+def _layers(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(layer, LayerSpec) for layer in value):
+        raise PlanError(f"{attribute.name} must be a tuple of LayerSpec", name=attribute.name, value=value)
+    for position, layer in enumerate(value):
+        if layer.index != position:
+            raise PlanError(
+                f"layer at position {position} has index {layer.index}; indices must run 0, 1, 2, ...",
+                name="index",
+                value=layer.index,
+            )
+
+
+def _unique_bytes(params: tuple[ParamSpec, ...]) -> int:
+    seen: set[str] = set()
+    total = 0
+    for param in params:
+        if param.storage_key is not None:
+            if param.storage_key in seen:
+                continue
+            seen.add(param.storage_key)
+        total += param.nbytes
+    return total
+
+
+@attrs.frozen(kw_only=True)
+class ModelSpec:
+    """The layers of a model, in execution order.
+
+    Attributes:
+        layers: one `LayerSpec` per layer; ``layers[i].index == i``.
+    """
+
+    layers: tuple[LayerSpec, ...] = attrs.field(validator=_layers)
+
+    @property
+    def num_params(self) -> int:
+        """Number of parameters over all layers (tied names counted separately)."""
+        return sum(len(layer.params) for layer in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all parameters, each distinct storage counted once."""
+        return _unique_bytes(tuple(p for layer in self.layers for p in layer.params))

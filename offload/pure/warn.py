@@ -1,0 +1,194 @@
+"""What a plan warns about, derived from the facts `make_plan` gathered."""
+
+from __future__ import annotations
+
+import attrs
+
+from offload.pure.config import OffloadConfig
+from offload.pure.decisions import PinDecision, UvaDecision
+from offload.pure.env import ENV_VARIABLES, EnvSnapshot
+from offload.pure.plan import Backend, PlanWarning, WarningCode
+from offload.pure.select import Selection, filter_misses
+from offload.pure.spec import ModelSpec
+from offload.pure.units import format_bytes
+
+__all__ = ["PlanFacts", "longest_cyclic_run", "plan_warnings"]
+
+
+@attrs.frozen(kw_only=True)
+class PlanFacts:
+    """What the warnings are computed from (all already decided by `make_plan`)."""
+
+    spec: ModelSpec
+    config: OffloadConfig
+    env: EnvSnapshot
+    backend: Backend
+    pin: PinDecision
+    uva: UvaDecision
+    selection: Selection
+    offloaded_layers: tuple[int, ...]
+    offloaded_bytes: int
+    resident_bytes: int
+    buffer_bytes: int
+
+
+def longest_cyclic_run(layers: tuple[int, ...], num_layers: int) -> int:
+    """The longest run of consecutive layer indices in `layers`, wrapping from the last
+    layer to the first (the next step starts right after this one ends)."""
+    present = set(layers)
+    if not present:
+        return 0
+    if len(present) >= num_layers:
+        return num_layers
+    best = 0
+    for start in present:
+        if (start - 1) % num_layers in present:
+            continue  # not the start of a run
+        length = 0
+        while (start + length) % num_layers in present:
+            length += 1
+        best = max(best, length)
+    return best
+
+
+def _w(code: WarningCode, message: str) -> PlanWarning:
+    return PlanWarning(code=code, message=message)
+
+
+def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
+    """Every warning that applies, in a fixed order."""
+    out: list[PlanWarning] = []
+    platform = f.env.platform
+    config = f.config
+    offloading = f.backend is not Backend.NONE
+    anything = bool(f.selection.offloaded)
+
+    if config.backend == "auto" and config.group_size > 0 and config.uva_max_bytes > 0:
+        out.append(_w(
+            WarningCode.BOTH_BACKENDS_CONFIGURED,
+            f"both group_size ({config.group_size}) and uva_max_bytes ({config.uva_max_bytes}) "
+            "are set; backend auto chose prefetch and ignores the UVA budget",
+        ))
+    else:
+        unused = []
+        prefetch_set = config.group_size > 0 or config.num_in_group != 1 or config.prefetch_step != 1
+        if f.backend is not Backend.PREFETCH and prefetch_set:
+            unused.append("group_size/num_in_group/prefetch_step")
+        if f.backend is not Backend.UVA and config.uva_max_bytes > 0:
+            unused.append("uva_max_bytes")
+        if f.backend is Backend.NONE and config.param_filter:
+            unused.append("param_filter")
+        if unused:
+            out.append(_w(
+                WarningCode.SETTINGS_UNUSED,
+                f"backend {f.backend.value} does not use {', '.join(unused)}",
+            ))
+
+    misses = filter_misses(f.spec, config.param_filter)
+    if offloading and misses:
+        out.append(_w(
+            WarningCode.FILTER_MATCHED_NOTHING,
+            f"param_filter segments matched no parameter name: {', '.join(misses)}",
+        ))
+    if offloading and not anything:
+        out.append(_w(WarningCode.NOTHING_OFFLOADED, _nothing_reason(f)))
+    for group in f.selection.split_ties:
+        names = ", ".join(f"{layer}:{p.name}" for layer, p in group.members)
+        out.append(_w(
+            WarningCode.TIED_KEPT_RESIDENT,
+            f"tied parameters {names} share one storage but only some of them can be "
+            "offloaded; all of them stay resident",
+        ))
+
+    if offloading and anything and not platform.has_cuda:
+        out.append(_w(
+            WarningCode.NO_ACCELERATOR,
+            "no accelerator: the compute device is the CPU, so offloading moves weights to "
+            "separate host storage and copies them back exactly as on a GPU, but saves no memory",
+        ))
+    if offloading and anything and platform.has_cuda and platform.is_integrated:
+        out.append(_w(
+            WarningCode.INTEGRATED_GPU,
+            f"{platform.device_name} is an integrated GPU sharing one memory pool with the host: "
+            "offloading frees no physical memory",
+        ))
+    model_bytes = f.offloaded_bytes + f.resident_bytes
+    if offloading and platform.has_cuda and 0 < model_bytes <= platform.device_total_bytes:
+        out.append(_w(
+            WarningCode.MODEL_FITS_ON_DEVICE,
+            f"the model's {format_bytes(model_bytes)} of weights fit in the device's "
+            f"{format_bytes(platform.device_total_bytes)}; offloading may not be needed",
+        ))
+
+    if f.backend is Backend.PREFETCH and anything:
+        out.extend(_prefetch_warnings(f))
+    if f.backend is Backend.UVA and anything and not f.uva.enabled:
+        out.append(_w(
+            WarningCode.ON_DEMAND_SLOW,
+            f"UVA is off ({f.uva.explanation}); the UVA-planned parameters are copied to the "
+            "device on every call of their layer instead: slow, and not capturable in CUDA graphs",
+        ))
+
+    if anything and platform.host_available_bytes is not None and f.offloaded_bytes > platform.host_available_bytes:
+        out.append(_w(
+            WarningCode.HOST_MEMORY_SHORT,
+            f"host copies need {format_bytes(f.offloaded_bytes)} but only "
+            f"{format_bytes(platform.host_available_bytes)} of host memory is available",
+        ))
+    if anything and f.pin.pin and platform.memlock_limit_bytes is not None and f.offloaded_bytes > platform.memlock_limit_bytes:
+        out.append(_w(
+            WarningCode.MEMLOCK_LIMIT,
+            f"pinning {format_bytes(f.offloaded_bytes)} exceeds the locked-memory limit of "
+            f"{format_bytes(platform.memlock_limit_bytes)} (ulimit -l); raise the limit or set "
+            f"{ENV_VARIABLES['disable_pin_memory'][0]}=1",
+        ))
+    if anything and f.pin.pin and platform.is_coherent_unified_memory:
+        out.append(_w(
+            WarningCode.COHERENT_UNIFIED_MEMORY,
+            f"{platform.device_name} has hardware-coherent unified memory: pinned host memory "
+            "competes with device memory; if loading runs out of memory set "
+            f"{ENV_VARIABLES['disable_pin_memory'][0]}=1",
+        ))
+    return tuple(out)
+
+
+def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:
+    out: list[PlanWarning] = []
+    step = f.config.prefetch_step
+    run = longest_cyclic_run(f.offloaded_layers, len(f.spec.layers))
+    if run > step:
+        out.append(_w(
+            WarningCode.PREFETCH_STALLS,
+            f"{run} consecutive layers are offloaded but prefetch_step is {step}: copies for "
+            "those layers cannot all overlap compute, so the step stalls on the link; "
+            f"use prefetch_step >= {run} or offload fewer adjacent layers",
+        ))
+    if len(f.offloaded_layers) <= step:
+        out.append(_w(
+            WarningCode.PREFETCH_DEPTH_COVERS_ALL,
+            f"prefetch_step {step} gives a slot to every one of the {len(f.offloaded_layers)} "
+            f"offloaded layers: the static buffers ({format_bytes(f.buffer_bytes)}) take as "
+            f"much device memory as offloading frees ({format_bytes(f.offloaded_bytes)})",
+        ))
+    if f.env.platform.has_cuda and not f.pin.pin:
+        out.append(_w(
+            WarningCode.PREFETCH_UNPINNED,
+            f"pinning is off ({f.pin.explanation}): host-to-device copies from pageable memory "
+            "are about 6x slower, and a model that copies weights cannot be captured in a CUDA graph",
+        ))
+    return out
+
+
+def _nothing_reason(f: PlanFacts) -> str:
+    config = f.config
+    if f.backend is Backend.PREFETCH and config.group_size - config.num_in_group >= len(f.spec.layers):
+        return (
+            f"no parameter is offloaded: with group_size {config.group_size} and num_in_group "
+            f"{config.num_in_group}, the first offloaded layer would be layer "
+            f"{config.group_size - config.num_in_group}, but the model has {len(f.spec.layers)} layers"
+        )
+    if config.param_filter:
+        return f"no parameter is offloaded: none on the compute device matches param_filter {config.param_filter}"
+    if not f.spec.layers:
+        return "no parameter is offloaded: the model has no layers"
+    return "no parameter is offloaded: no parameter of the selected layers is on the compute device"
