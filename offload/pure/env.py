@@ -20,6 +20,7 @@ from offload.pure._checks import int_at_least, is_bool, is_str
 
 __all__ = [
     "ENV_VARIABLES",
+    "VOLATILE",
     "EnvFlags",
     "EnvSnapshot",
     "Platform",
@@ -117,6 +118,11 @@ def _notes(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
                         name=attribute.name, value=value)
 
 
+#: Field metadata key marking a reading that changes from moment to moment (free memory);
+#: such fields are left out of `EnvSnapshot.fingerprint`.
+VOLATILE = "offload.volatile"
+
+
 @attrs.frozen(kw_only=True)
 class Platform:
     """What this machine can do. The defaults describe a machine without an accelerator.
@@ -158,7 +164,9 @@ class Platform:
     is_wsl: bool = attrs.field(default=False, validator=is_bool(PlanError))
     memlock_limit_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
     host_total_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
-    host_available_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    host_available_bytes: int | None = attrs.field(
+        default=None, validator=_optional_non_negative, metadata={VOLATILE: True}
+    )
     torch_version: str = attrs.field(default="", validator=is_str(PlanError))
     probe_notes: tuple[str, ...] = attrs.field(default=(), validator=_notes)
 
@@ -181,13 +189,18 @@ class EnvSnapshot:
     platform: Platform = attrs.field(factory=Platform, validator=attrs.validators.instance_of(Platform))
 
     def fingerprint(self) -> str:
-        """A stable 16-hex-digit digest of every field.
+        """A stable 16-hex-digit digest of the switches and the platform's capabilities.
 
         Equal snapshots give equal fingerprints in every process and on every machine
-        (no use of ``hash()``), so a saved plan can be checked against the machine it runs on.
+        (no use of ``hash()``), so a saved plan can be checked against the machine it runs
+        on. Readings that change from moment to moment (available host memory, marked
+        `VOLATILE`) are left out, so two captures of one machine agree.
         """
+        platform = attrs.asdict(
+            self.platform, filter=lambda field, _value: not field.metadata.get(VOLATILE, False)
+        )
         canonical = json.dumps(
-            {"flags": attrs.asdict(self.flags), "platform": attrs.asdict(self.platform)},
+            {"flags": attrs.asdict(self.flags), "platform": platform},
             sort_keys=True,
             separators=(",", ":"),
         )

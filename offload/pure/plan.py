@@ -20,6 +20,7 @@ from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
 from offload.pure.schedule import PrefetchSchedule, check_schedule
 from offload.pure.serialize import from_data, to_data
+from offload.pure.spec import ParamSpec
 
 __all__ = [
     "PLAN_FORMAT",
@@ -99,57 +100,51 @@ class PlanWarning:
     message: str = attrs.field(validator=is_str(PlanError))
 
 
-def _optional_tie(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if (
-        not isinstance(value, tuple)
-        or len(value) != 2
-        or not isinstance(value[0], int)
-        or not isinstance(value[1], str)
-    ):
-        raise PlanError(f"{attribute.name} must be None or (layer, name), got {value!r}",
-                        name=attribute.name, value=value)
-
-
-def _optional_slot(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise PlanError(f"{attribute.name} must be None or an integer >= 0, got {value!r}",
-                        name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class ParamPlan:
     """The decision for one parameter.
 
+    The parameter's own facts (name, shape, stride in elements, dtype, itemsize, bytes,
+    device) are those of its `ParamSpec`, readable here as properties.
+
     Attributes:
         layer: index of its layer.
-        name: its name relative to the layer.
-        shape: sizes, in elements.
-        stride: strides, in elements; the host copy and the device buffer keep them.
-        dtype: torch dtype name without ``torch.``.
-        itemsize: bytes per element.
-        nbytes: bytes its elements span.
-        device: where it was when planned (see `ParamSpec.device`).
+        param: the parameter as planned.
         placement: where it lives while the model runs.
         slot: for PREFETCH, the static buffer slot of its buffer key; None otherwise.
         tied_to: (layer, name) of the first parameter sharing its storage, which holds the
             one host copy; None when it is that first one or is not tied.
     """
 
-    layer: int = attrs.field(validator=int_at_least(0, PlanError))
-    name: str = attrs.field(validator=is_str(PlanError))
-    shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
-    stride: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
-    dtype: str = attrs.field(validator=is_str(PlanError))
-    itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
-    nbytes: int = attrs.field(validator=int_at_least(0, PlanError))
-    device: str = attrs.field(validator=is_str(PlanError))
-    placement: Placement = attrs.field(validator=attrs.validators.instance_of(Placement))
-    slot: int | None = attrs.field(default=None, validator=_optional_slot)
-    tied_to: tuple[int, str] | None = attrs.field(default=None, validator=_optional_tie)
+    layer: int
+    param: ParamSpec
+    placement: Placement
+    slot: int | None = None
+    tied_to: tuple[int, str] | None = None
 
     def __attrs_post_init__(self) -> None:
+        # One check for all fields instead of a validator per field: plans of large models
+        # hold tens of thousands of these, and make_plan has a time budget.
+        tie: object = self.tied_to
+        slot: object = self.slot
+        layer: object = self.layer
+        if not (
+            type(layer) is int
+            and layer >= 0
+            and type(self.param) is ParamSpec
+            and type(self.placement) is Placement
+            and (slot is None or (type(slot) is int and slot >= 0))
+            and (tie is None or (type(tie) is tuple and len(tie) == 2
+                                 and type(tie[0]) is int and type(tie[1]) is str))
+        ):
+            raise PlanError(
+                "ParamPlan needs layer >= 0, a ParamSpec, a Placement, slot None or >= 0 and "
+                f"tied_to None or (layer, name); got layer={self.layer!r}, "
+                f"param={type(self.param).__name__}, placement={self.placement!r}, "
+                f"slot={self.slot!r}, tied_to={tie!r}",
+                name=getattr(self.param, "name", "param"),
+                value=(self.layer, self.slot, tie),
+            )
         if (self.placement is Placement.PREFETCH) != (self.slot is not None):
             raise PlanError(
                 f"parameter {self.layer}:{self.name}: a slot is given exactly for PREFETCH "
@@ -159,6 +154,41 @@ class ParamPlan:
             )
 
     @property
+    def name(self) -> str:
+        """The name relative to the layer."""
+        return self.param.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes, in elements."""
+        return self.param.shape
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        """Strides, in elements; host copies and device buffers keep them."""
+        return self.param.stride
+
+    @property
+    def dtype(self) -> str:
+        """The torch dtype name without ``torch.``."""
+        return self.param.dtype
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.param.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its elements span."""
+        return self.param.nbytes
+
+    @property
+    def device(self) -> str:
+        """Where it was when planned (see `ParamSpec.device`)."""
+        return self.param.device
+
+    @property
     def offloaded(self) -> bool:
         """True when the parameter leaves the compute device."""
         return self.placement in OFFLOADED_PLACEMENTS
@@ -166,7 +196,7 @@ class ParamPlan:
     @property
     def buffer_key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
         """The static buffer key: (name, shape, stride, dtype)."""
-        return (self.name, self.shape, self.stride, self.dtype)
+        return self.param.buffer_key
 
 
 @attrs.frozen(kw_only=True)
@@ -256,25 +286,25 @@ class OffloadPlan:
                 name="device_bytes_buffers",
                 value=self.device_bytes_buffers,
             )
-        keys = {b.key: b for b in self.buffers}
-        positions = {layer: i for i, layer in enumerate(self.offloaded_layers)}
+        slots_of_key = {b.key: frozenset(b.slots) for b in self.buffers}
+        slot_of_layer = dict(zip(self.offloaded_layers, self.schedule.slots, strict=True))
+        prefetch = Placement.PREFETCH
         for p in self.params:
-            if p.placement is not Placement.PREFETCH:
+            if p.placement is not prefetch:
                 continue
-            where = f"parameter {p.layer}:{p.name}"
-            if p.layer not in positions:
+            where = f"parameter {p.layer}:{p.param.name}"
+            expected = slot_of_layer.get(p.layer)
+            if expected is None:
                 raise PlanError(f"{where} is PREFETCH but layer {p.layer} is not offloaded",
-                                name=p.name, value=p.layer)
-            expected = self.schedule.slots[positions[p.layer]]
+                                name=p.param.name, value=p.layer)
             if p.slot != expected:
                 raise PlanError(f"{where} has slot {p.slot}, the schedule says {expected}",
-                                name=p.name, value=p.slot)
+                                name=p.param.name, value=p.slot)
             if p.tied_to is not None and p.tied_to[0] == p.layer:
                 continue  # shares the buffer of the parameter it is tied to
-            buffer = keys.get(p.buffer_key)
-            if buffer is None or p.slot not in buffer.slots:
-                raise PlanError(f"{where} has no buffer slot {p.slot} for key {p.buffer_key}",
-                                name=p.name, value=p.slot)
+            if p.slot not in slots_of_key.get(p.param.buffer_key, ()):
+                raise PlanError(f"{where} has no buffer slot {p.slot} for key {p.param.buffer_key}",
+                                name=p.param.name, value=p.slot)
 
     @property
     def offloaded_params(self) -> tuple[ParamPlan, ...]:

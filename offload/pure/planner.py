@@ -18,15 +18,19 @@ from offload.pure.schedule import check_schedule, schedule_prefetch
 from offload.pure.select import (
     Ref,
     Selection,
+    group_nbytes,
+    group_primary,
     group_storages,
     is_on_compute_device,
     select_prefetch,
     select_uva,
 )
-from offload.pure.spec import ModelSpec
+from offload.pure.spec import ModelSpec, ParamSpec
 from offload.pure.warn import PlanFacts, plan_warnings
 
 __all__ = ["make_plan", "resolve_backend"]
+
+BufferKey = tuple[str, tuple[int, ...], tuple[int, ...], str]
 
 
 def resolve_backend(config: OffloadConfig) -> tuple[Backend, BackendReason]:
@@ -65,11 +69,12 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
     backend, reason = resolve_backend(config)
     platform = env.platform
 
+    groups = group_storages(spec)
     if backend is Backend.PREFETCH:
-        selection = select_prefetch(spec, config, platform)
+        selection = select_prefetch(groups, len(spec.layers), config, platform)
         placement = Placement.PREFETCH
     elif backend is Backend.UVA:
-        selection = select_uva(spec, config, platform)
+        selection = select_uva(groups, config, platform)
         placement = Placement.UVA if uva.enabled else Placement.ON_DEMAND
     else:
         selection = Selection(offloaded=(), split_ties=())
@@ -77,12 +82,14 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
 
     offloaded: dict[Ref, Ref | None] = {}  # each offloaded (layer, name) -> primary if tied
     for group in selection.offloaded:
-        for i, (index, param) in enumerate(group.members):
-            offloaded[(index, param.name)] = group.primary if i else None
+        primary = group_primary(group)
+        for i, (index, param) in enumerate(group):
+            offloaded[(index, param.name)] = primary if i else None
     tied_to: dict[Ref, Ref] = {
-        (index, param.name): group.primary
-        for group in group_storages(spec)
-        for index, param in group.members[1:]
+        (index, param.name): group_primary(group)
+        for group in groups
+        if len(group) > 1
+        for index, param in group[1:]
     }
 
     offloaded_layers = tuple(sorted({index for index, _ in offloaded})) if backend is Backend.PREFETCH else ()
@@ -91,33 +98,51 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
 
     params: list[ParamPlan] = []
+    resident_bytes = 0
+    on_device: dict[str, bool] = {}  # device name -> on the compute device (few distinct names)
+    buffer_slots: dict[BufferKey, set[int]] = {}
+    buffer_param: dict[BufferKey, ParamSpec] = {}
     for layer in spec.layers:
+        slot = slot_of_layer.get(layer.index)
         for param in layer.params:
             ref = (layer.index, param.name)
-            where = placement if ref in offloaded else Placement.RESIDENT
-            params.append(
-                ParamPlan(
-                    layer=layer.index,
-                    name=param.name,
-                    shape=param.shape,
-                    stride=param.stride,
-                    dtype=param.dtype,
-                    itemsize=param.itemsize,
-                    nbytes=param.nbytes,
-                    device=param.device,
-                    placement=where,
-                    slot=slot_of_layer[layer.index] if where is Placement.PREFETCH else None,
-                    tied_to=tied_to.get(ref),
-                )
-            )
+            tie = tied_to.get(ref)
+            if ref in offloaded:
+                if slot is None:  # UVA or on demand: no static buffer
+                    params.append(ParamPlan(layer=layer.index, param=param, placement=placement, tied_to=tie))
+                    continue
+                params.append(ParamPlan(layer=layer.index, param=param, placement=placement, slot=slot, tied_to=tie))
+                # A parameter tied to one in the same layer reads that one's buffer; a tie
+                # across layers gets a buffer per layer (they are resident at different
+                # times) but shares the one host copy.
+                if tie is None or tie[0] != layer.index:
+                    key = param.buffer_key
+                    if key in buffer_slots:
+                        buffer_slots[key].add(slot)
+                    else:
+                        buffer_slots[key] = {slot}
+                        buffer_param[key] = param
+                continue
+            params.append(ParamPlan(layer=layer.index, param=param, placement=Placement.RESIDENT, tied_to=tie))
+            here = on_device.get(param.device)
+            if here is None:
+                here = on_device[param.device] = is_on_compute_device(param.device, platform)
+            if here and tie is None:  # a tied storage counts once, at its first member
+                resident_bytes += param.nbytes
 
-    buffers = _buffers(params)
-    offloaded_bytes = sum(g.nbytes for g in selection.offloaded)
-    resident_bytes = sum(
-        g.nbytes
-        for g in group_storages(spec)
-        if g.primary not in offloaded and is_on_compute_device(g.members[0][1].device, platform)
+    buffers = tuple(
+        BufferPlan(
+            name=p.name,
+            shape=p.shape,
+            stride=p.stride,
+            dtype=p.dtype,
+            itemsize=p.itemsize,
+            slot_bytes=p.nbytes,
+            slots=tuple(sorted(buffer_slots[key])),
+        )
+        for key, p in buffer_param.items()
     )
+    offloaded_bytes = sum(group_nbytes(g) for g in selection.offloaded)
     device_bytes_buffers = sum(b.nbytes for b in buffers)
     facts = PlanFacts(
         spec=spec,
@@ -151,32 +176,3 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         env_fingerprint=env.fingerprint(),
     )
 
-
-def _buffers(params: list[ParamPlan]) -> tuple[BufferPlan, ...]:
-    """One buffer per (name, shape, stride, dtype) key, with the slots its layers use.
-
-    A parameter tied to another one in the same layer reads that one's buffer and needs
-    none of its own; a tie across layers gets a buffer per layer (the layers are resident
-    at different times) but one host copy.
-    """
-    slots: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], set[int]] = {}
-    first: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], ParamPlan] = {}
-    for p in params:
-        if p.placement is not Placement.PREFETCH or p.slot is None:
-            continue
-        if p.tied_to is not None and p.tied_to[0] == p.layer:
-            continue
-        slots.setdefault(p.buffer_key, set()).add(p.slot)
-        first.setdefault(p.buffer_key, p)
-    return tuple(
-        BufferPlan(
-            name=p.name,
-            shape=p.shape,
-            stride=p.stride,
-            dtype=p.dtype,
-            itemsize=p.itemsize,
-            slot_bytes=p.nbytes,
-            slots=tuple(sorted(slots[key])),
-        )
-        for key, p in first.items()
-    )

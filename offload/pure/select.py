@@ -18,6 +18,8 @@ __all__ = [
     "Selection",
     "StorageGroup",
     "filter_misses",
+    "group_nbytes",
+    "group_primary",
     "group_storages",
     "is_on_compute_device",
     "prefetch_layers",
@@ -43,50 +45,40 @@ def is_on_compute_device(device: str, platform: Platform) -> bool:
     return device == "cpu"
 
 
-@attrs.frozen(kw_only=True)
-class StorageGroup:
-    """Parameters that share one storage (a single parameter when untied).
+#: Parameters that share one storage, as (layer, param) in model order; a single
+#: parameter when untied. The first member holds the one host copy. (A plain tuple: a
+#: large model has tens of thousands of these and make_plan has a time budget.)
+StorageGroup = tuple[tuple[int, ParamSpec], ...]
 
-    Attributes:
-        members: (layer, param) in model order; the first holds the one host copy.
-    """
 
-    members: tuple[tuple[int, ParamSpec], ...]
+def group_primary(group: StorageGroup) -> Ref:
+    """(layer, name) of the group's first member."""
+    layer, param = group[0]
+    return (layer, param.name)
 
-    @property
-    def primary(self) -> Ref:
-        """(layer, name) of the first member."""
-        layer, param = self.members[0]
-        return (layer, param.name)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the shared storage, counted once."""
-        return self.members[0][1].nbytes
+def group_nbytes(group: StorageGroup) -> int:
+    """Bytes of the group's storage, counted once."""
+    return group[0][1].nbytes
 
 
 def group_storages(spec: ModelSpec) -> tuple[StorageGroup, ...]:
     """Group parameters by storage key, in order of each group's first member."""
-    order: list[list[tuple[int, ParamSpec]]] = []
+    order: list[StorageGroup | list[tuple[int, ParamSpec]]] = []
     by_key: dict[str, list[tuple[int, ParamSpec]]] = {}
     for layer in spec.layers:
+        index = layer.index
         for param in layer.params:
-            if param.storage_key is None:
-                order.append([(layer.index, param)])
+            key = param.storage_key
+            if key is None:
+                order.append(((index, param),))
                 continue
-            members = by_key.get(param.storage_key)
+            members = by_key.get(key)
             if members is None:
-                members = by_key[param.storage_key] = []
+                members = by_key[key] = []
                 order.append(members)
-            members.append((layer.index, param))
-    return tuple(StorageGroup(members=tuple(m)) for m in order)
-
-
-def _eligible(layer_and_param: tuple[int, ParamSpec], config: OffloadConfig, platform: Platform) -> bool:
-    _, param = layer_and_param
-    if not is_on_compute_device(param.device, platform):
-        return False
-    return not config.param_filter or any(segment_matches(s, param.name) for s in config.param_filter)
+            members.append((index, param))
+    return tuple(m if isinstance(m, tuple) else tuple(m) for m in order)
 
 
 def filter_misses(spec: ModelSpec, param_filter: Sequence[str]) -> tuple[str, ...]:
@@ -117,10 +109,34 @@ def _select(
     groups: Iterable[StorageGroup], wanted: frozenset[int] | None, config: OffloadConfig, platform: Platform
 ) -> tuple[list[StorageGroup], list[StorageGroup]]:
     """Split groups into those whose every member can go, and ties only partly eligible."""
+    # Device names and parameter names repeat across layers: decide each once.
+    device_ok: dict[str, bool] = {}
+    name_ok: dict[str, bool] = {}
+    segments = config.param_filter
+
+    def eligible(layer: int, param: ParamSpec) -> bool:
+        if wanted is not None and layer not in wanted:
+            return False
+        on_device = device_ok.get(param.device)
+        if on_device is None:
+            on_device = device_ok[param.device] = is_on_compute_device(param.device, platform)
+        if not on_device:
+            return False
+        if not segments:
+            return True
+        match = name_ok.get(param.name)
+        if match is None:
+            match = name_ok[param.name] = any(segment_matches(s, param.name) for s in segments)
+        return match
+
     whole: list[StorageGroup] = []
     split: list[StorageGroup] = []
     for group in groups:
-        ok = [(wanted is None or lp[0] in wanted) and _eligible(lp, config, platform) for lp in group.members]
+        if len(group) == 1:
+            if eligible(*group[0]):
+                whole.append(group)
+            continue
+        ok = [eligible(layer, param) for layer, param in group]
         if all(ok):
             whole.append(group)
         elif any(ok):
@@ -128,24 +144,38 @@ def _select(
     return whole, split
 
 
-def select_prefetch(spec: ModelSpec, config: OffloadConfig, platform: Platform) -> Selection:
-    """Prefetch: eligible parameters of the layers `prefetch_layers` names."""
-    wanted = frozenset(prefetch_layers(len(spec.layers), config.group_size, config.num_in_group))
-    whole, split = _select(group_storages(spec), wanted, config, platform)
+def select_prefetch(
+    groups: Sequence[StorageGroup], num_layers: int, config: OffloadConfig, platform: Platform
+) -> Selection:
+    """Prefetch: eligible parameters of the layers `prefetch_layers` names.
+
+    Args:
+        groups: `group_storages` of the model.
+        num_layers: how many layers the model has.
+        config: the request (group size, number in group, filter).
+        platform: decides which parameters are on the compute device.
+    """
+    wanted = frozenset(prefetch_layers(num_layers, config.group_size, config.num_in_group))
+    whole, split = _select(groups, wanted, config, platform)
     return Selection(offloaded=tuple(whole), split_ties=tuple(split))
 
 
-def select_uva(spec: ModelSpec, config: OffloadConfig, platform: Platform) -> Selection:
+def select_uva(groups: Sequence[StorageGroup], config: OffloadConfig, platform: Platform) -> Selection:
     """UVA: eligible parameters in layer order until `uva_max_bytes` is reached.
 
     The parameter that reaches the budget is taken whole, so the total may cross it.
+
+    Args:
+        groups: `group_storages` of the model.
+        config: the request (byte budget, filter).
+        platform: decides which parameters are on the compute device.
     """
-    whole, split = _select(group_storages(spec), None, config, platform)
+    whole, split = _select(groups, None, config, platform)
     taken: list[StorageGroup] = []
     total = 0
     for group in whole:
         if total >= config.uva_max_bytes:
             break
         taken.append(group)
-        total += group.nbytes
+        total += group_nbytes(group)
     return Selection(offloaded=tuple(taken), split_ties=tuple(split))

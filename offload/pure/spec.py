@@ -6,6 +6,7 @@ checkpoint headers (`offload.checkpoint`), or by hand; it never holds a tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 
@@ -121,12 +122,17 @@ class ParamSpec:
                 value=self.itemsize,
             )
 
-    @property
+    @functools.cached_property
+    def buffer_key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
+        """(name, shape, stride, dtype): parameters with equal keys can share a static buffer."""
+        return (self.name, self.shape, self.stride, self.dtype)
+
+    @functools.cached_property
     def numel(self) -> int:
         """Number of elements."""
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes spanned by the elements in storage, for any strides.
 
