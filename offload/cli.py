@@ -1,0 +1,251 @@
+"""The `offload` command line: ``offload env`` and ``offload plan``.
+
+User errors (a junk environment variable, a bad flag value, a missing or corrupt
+checkpoint) exit with status 2 and one line on stderr naming what was wrong; nothing the
+user can cause prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import attrs
+
+from offload.errors import OffloadError
+from offload.pure.config import OffloadConfig
+from offload.pure.decisions import decide_pinning, decide_uva
+from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
+from offload.pure.planner import make_plan
+from offload.pure.presets import PRESETS, preset_spec
+from offload.pure.render import render_plan, render_table
+from offload.pure.serialize import to_data
+from offload.pure.spec import ModelSpec
+from offload.pure.units import GIB, format_bytes
+
+__all__ = ["DEFAULT_PREFETCH", "build_parser", "main"]
+
+log = logging.getLogger(__name__)
+
+EXIT_USER_ERROR = 2
+
+#: The plan `offload plan` makes when no offload flag is given:
+#: prefetch, group size 4, one offloaded layer per group, depth 2.
+DEFAULT_PREFETCH = OffloadConfig(backend="prefetch", group_size=4, num_in_group=1, prefetch_step=2)
+DEFAULT_SOURCE = "llama-70b"
+
+
+class _UserError(Exception):
+    """A mistake in the command line; reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; we print one line that names the problem.
+        raise _UserError(f"{self.prog}: {message} (see --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative, finite number of GiB")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = _Parser(prog="offload", description="Plan and inspect PyTorch weight offloading.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    env = sub.add_parser("env", help="what this machine can do, and the pin/UVA decisions with reasons")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+
+    plan = sub.add_parser("plan", help="exactly what would be offloaded, where, and what it costs")
+    plan.add_argument(
+        "source",
+        nargs="?",
+        default=DEFAULT_SOURCE,
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a directory of .safetensors files "
+        f"(default {DEFAULT_SOURCE})",
+    )
+    plan.add_argument("--backend", choices=["auto", "prefetch", "uva", "none"], help="default: auto")
+    plan.add_argument("--group-size", type=_positive_int, help="prefetch: layers per group")
+    plan.add_argument("--num-in-group", type=_positive_int, help="prefetch: offloaded layers per group")
+    plan.add_argument("--prefetch-step", type=_positive_int, help="prefetch: depth (layers ahead)")
+    plan.add_argument("--uva-gib", type=_gib, help="uva: GiB of parameters to offload")
+    plan.add_argument("--filter", nargs="+", default=[], metavar="SEG",
+                      help="only offload parameters whose names contain one of these dotted segments")
+    plan.add_argument("--device-gib", type=_gib,
+                      help="plan for a CUDA device of this many GiB instead of this machine")
+    plan.add_argument("--params", action="store_true", help="one row per parameter")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON (OffloadPlan.from_json reads it)")
+    return parser
+
+
+def _capture() -> EnvSnapshot:
+    from offload.capture import capture_env  # imports torch: only when a command needs it
+
+    return capture_env(os.environ)
+
+
+def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
+    """The config the flags ask for, and whether it is the default."""
+    chosen = {
+        "backend": args.backend,
+        "group_size": args.group_size,
+        "num_in_group": args.num_in_group,
+        "prefetch_step": args.prefetch_step,
+        "uva_max_bytes": None if args.uva_gib is None else round(args.uva_gib * GIB),
+    }
+    given = {k: v for k, v in chosen.items() if v is not None}
+    if not given:
+        return attrs.evolve(DEFAULT_PREFETCH, param_filter=tuple(args.filter)), True
+    return OffloadConfig(**given, param_filter=tuple(args.filter)), False
+
+
+def _source(name: str) -> tuple[ModelSpec, str]:
+    """The spec for SOURCE, and a one-line description of where it came from."""
+    if os.path.exists(name):
+        from offload.checkpoint import read_checkpoint
+
+        result = read_checkpoint(name)
+        outside = result.outside_layers
+        note = (
+            f"; {len(outside)} tensors ({format_bytes(sum(t.nbytes for t in outside))}) outside layers stay resident"
+            if outside
+            else ""
+        )
+        return result.spec, f"checkpoint {name}{note}"
+    if name in PRESETS:
+        return preset_spec(name), f"preset {name} (decoder layers, bf16, shapes only)"
+    raise _UserError(
+        f"offload plan: {name!r} is neither an existing path nor a preset ({', '.join(sorted(PRESETS))})"
+    )
+
+
+def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
+    snapshot = _capture()
+    if args.device_gib is None:
+        return snapshot
+    if args.device_gib == 0:
+        raise _UserError("offload plan: --device-gib must be greater than 0")
+    platform = Platform(
+        has_cuda=True,
+        device_name=f"planned CUDA device with {args.device_gib:g} GiB",
+        device_total_bytes=round(args.device_gib * GIB),
+        can_map_host_memory=True,
+        can_register_host_memory=True,
+        torch_version=snapshot.platform.torch_version,
+        probe_notes=("a hypothetical device (--device-gib): host memory is not checked",),
+    )
+    return attrs.evolve(snapshot, platform=platform)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    config, is_default = _config(args)
+    spec, origin = _source(args.source)
+    env = _planning_env(args)
+    plan = make_plan(spec, config, env)
+    if args.json:
+        print(plan.to_json(indent=2))
+        return 0
+    platform = env.platform
+    device = (
+        f"{platform.device_name}, {format_bytes(platform.device_total_bytes)}"
+        if platform.has_cuda
+        else "no accelerator (the compute device is the CPU)"
+    )
+    print(f"model:    {origin}: {len(spec.layers)} layers, {spec.num_params} parameters, {format_bytes(spec.nbytes)}")
+    print(f"device:   {device}")
+    if is_default:
+        print(
+            "config:   default (prefetch, group size 4, 1 offloaded layer per group, depth 2); "
+            "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
+        )
+    print(render_plan(plan, per_param=args.params))
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    snapshot = _capture()
+    pin = decide_pinning(snapshot)
+    uva = decide_uva(snapshot, pin)
+    if args.json:
+        document = {
+            "snapshot": to_data(snapshot),
+            "fingerprint": snapshot.fingerprint(),
+            "pin": to_data(pin),
+            "uva": to_data(uva),
+            "coherent_unified_memory": snapshot.platform.is_coherent_unified_memory,
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    flags = snapshot.flags
+    print("switches:")
+    for flag, names in ENV_VARIABLES.items():
+        print(f"  {flag} = {getattr(flags, flag)}  (from {' or '.join(names)})")
+    print("platform:")
+    rows = []
+    for field in attrs.fields(Platform):
+        if field.name == "probe_notes":
+            continue
+        value = getattr(snapshot.platform, field.name)
+        shown = f"{value} ({format_bytes(value)})" if field.name.endswith("_bytes") and value is not None else str(value)
+        rows.append([f"  {field.name}", shown])
+    rows.append(["  coherent unified memory", str(snapshot.platform.is_coherent_unified_memory)])
+    print(render_table(["", ""], rows).split("\n", 2)[2])
+    for note in snapshot.platform.probe_notes:
+        print(f"  note: {note}")
+    print("decisions:")
+    print(f"  pinning: {'on' if pin.pin else 'off'} [{pin.reason.value}] {pin.explanation}")
+    print(f"  uva:     {'on' if uva.enabled else 'off'} [{uva.reason.value}] {uva.explanation}")
+    print(f"snapshot fingerprint: {snapshot.fingerprint()}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(
+            level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        if args.command == "env":
+            return _cmd_env(args)
+        return _cmd_plan(args)
+    except _UserError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OffloadError as exc:
+        print(f"offload: error: {exc.message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BrokenPipeError:
+        # `offload plan | head`: the reader left; that is not an error of ours.
+        sys.stderr.close()
+        return 0

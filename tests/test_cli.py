@@ -1,0 +1,253 @@
+"""The command line: `offload env` and `offload plan`, through `main()` and as a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import (
+    Backend,
+    OffloadConfig,
+    OffloadPlan,
+    Placement,
+    capture_env,
+    decide_pinning,
+    decide_uva,
+    make_plan,
+    preset_spec,
+)
+from offload.cli import DEFAULT_PREFETCH, main
+from offload.pure.units import GIB
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_process(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_", "VLLM_"))}
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "offload", *argv],
+        capture_output=True, text=True, env=environ, cwd=ROOT, timeout=120, check=False,
+    )
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A real safetensors file: 8-byte length, JSON header, zero-filled data."""
+    itemsize = {"BF16": 2, "F32": 4, "I8": 1}
+    header: dict[str, object] = {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = itemsize[dtype]
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+# ---- offload plan -------------------------------------------------------------------
+
+
+def test_plan_default_is_prefetch_4_1_2_on_llama_70b(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "--json")
+    assert (code, err) == (0, "")
+    plan = OffloadPlan.from_json(out)
+    assert plan.config == DEFAULT_PREFETCH
+    assert (plan.config.group_size, plan.config.num_in_group, plan.config.prefetch_step) == (4, 1, 2)
+    assert plan.backend is Backend.PREFETCH
+    # llama-70b has 80 layers; group 4, one per group: layers 3, 7, ..., 79.
+    assert plan.offloaded_layers == tuple(range(3, 80, 4))
+    assert plan == make_plan(preset_spec("llama-70b"), DEFAULT_PREFETCH, capture_env(os.environ))
+
+
+def test_plan_text_says_it_used_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan")
+    assert code == 0
+    assert "config:   default" in out
+    assert "backend:  prefetch" in out
+    code, out, _ = run(capsys, "plan", "--group-size", "8")
+    assert code == 0
+    assert "default" not in out.split("backend:")[0]
+
+
+def test_plan_text_totals_match_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "llama-8b", "--device-gib", "24", "--group-size", "8", "--num-in-group", "2"]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    plan = OffloadPlan.from_json(out)
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    totals = {
+        " ".join(line.split()[:-2]): line.split()[-2:]
+        for line in out.splitlines()
+        if line.startswith(("offloaded ", "device ", "host "))
+    }
+    for label, value in [
+        ("offloaded", plan.offloaded_bytes),
+        ("device freed", plan.device_bytes_freed),
+        ("device buffers", plan.device_bytes_buffers),
+        ("device saved (net)", plan.device_bytes_freed - plan.device_bytes_buffers),
+        ("host", plan.host_bytes),
+    ]:
+        assert totals[label] == [str(value), f"{value / GIB:.2f}"], label
+    assert "planned CUDA device with 24 GiB" in out
+    # Layers 6 and 7 of every 8 are offloaded, adjacent, and the depth is 1.
+    assert "[prefetch_stalls]" in out
+
+
+def test_plan_uva_with_filter_on_a_device(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", "mixtral-8x7b", "--uva-gib", "10", "--device-gib", "80",
+        "--filter", "experts.w2_weight", "--json",
+    )
+    assert code == 0
+    plan = OffloadPlan.from_json(out)
+    assert plan.backend is Backend.UVA
+    offloaded = plan.offloaded_params
+    assert offloaded and all(p.name.endswith("experts.w2_weight") for p in offloaded)
+    assert all(p.placement is Placement.UVA for p in offloaded)
+    largest = max(p.nbytes for p in offloaded)
+    assert 10 * GIB <= plan.offloaded_bytes < 10 * GIB + largest
+    assert plan.device_bytes_freed == plan.offloaded_bytes
+
+
+def test_plan_per_param_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-8b", "--params", "--group-size", "4")
+    assert code == 0
+    spec = preset_spec("llama-8b")
+    table_rows = [line for line in out.splitlines() if line.split()[:1] and line.split()[0].isdigit()
+                  and len(line.split()) >= 6]
+    assert len(table_rows) == spec.num_params
+
+
+def test_plan_reads_a_checkpoint_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {
+        "model.embed_tokens.weight": ("BF16", [64, 16]),
+        "model.layers.0.mlp.up.weight": ("BF16", [32, 16]),
+        "model.layers.1.mlp.up.weight": ("BF16", [32, 16]),
+    })
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {
+        "model.layers.2.mlp.up.weight": ("BF16", [32, 16]),
+        "model.layers.3.mlp.up.weight": ("BF16", [32, 16]),
+        "model.layers.3.mlp.scale": ("I8", [32]),
+    })
+    code, out, _ = run(capsys, "plan", str(tmp_path), "--group-size", "2", "--json")
+    assert code == 0
+    plan = OffloadPlan.from_json(out)
+    assert plan.offloaded_layers == (1, 3)
+    assert {(p.layer, p.name) for p in plan.offloaded_params} == {
+        (1, "mlp.up.weight"), (3, "mlp.up.weight"), (3, "mlp.scale"),
+    }
+    assert plan.offloaded_bytes == 2 * 32 * 16 * 2 + 32
+    code, out, _ = run(capsys, "plan", str(tmp_path), "--group-size", "2")
+    assert code == 0
+    assert "1 tensors" in out and "outside layers" in out
+
+
+# ---- user errors: exit 2, one line -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "--group-size", "abc"], "'abc'"),
+        (["plan", "--group-size", "-3"], "'-3'"),
+        (["plan", "--uva-gib", "nan"], "'nan'"),
+        (["plan", "no-such-model"], "'no-such-model'"),
+        (["plan", "--group-size", "4", "--num-in-group", "5"], "num_in_group (5)"),
+        (["plan", "--backend", "uva"], "uva_max_bytes"),
+        (["plan", "--backend", "fast"], "'fast'"),
+        (["plan", "--filter", "a..b"], "'a..b'"),
+        (["plan", "--device-gib", "0"], "--device-gib"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err
+
+
+def test_missing_and_corrupt_checkpoints_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "plan", str(empty))
+    assert code == 2 and str(empty) in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 1000) + b"{}")
+    code, _, err = run(capsys, "plan", str(bad))
+    assert code == 2 and "model.safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_junk_environment_variable_exits_2_without_traceback() -> None:
+    result = run_process("plan", env={"OFFLOAD_DISABLE_PIN_MEMORY": "maybe"})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "OFFLOAD_DISABLE_PIN_MEMORY" in result.stderr and "'maybe'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_disagreeing_spellings_exit_2_naming_both() -> None:
+    result = run_process("env", env={"OFFLOAD_DISABLE_UVA": "1", "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA": "0"})
+    assert result.returncode == 2
+    assert "OFFLOAD_DISABLE_UVA" in result.stderr and "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA" in result.stderr
+
+
+def test_pin_switch_reaches_the_plan_through_the_process() -> None:
+    result = run_process("plan", "llama-8b", "--device-gib", "16", "--json", env={"VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY": " Yes "})
+    assert result.returncode == 0, result.stderr
+    plan = OffloadPlan.from_json(result.stdout)
+    assert plan.pin.pin is False
+    assert plan.pin.reason.value == "disabled_by_env"
+    assert "prefetch_unpinned" in {w.code.value for w in plan.warnings}
+
+
+# ---- offload env ----------------------------------------------------------------------
+
+
+def test_env_json_matches_the_snapshot(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "env", "--json")
+    assert code == 0
+    document = json.loads(out)
+    snapshot = capture_env(os.environ)
+    pin = decide_pinning(snapshot)
+    assert document["fingerprint"] == snapshot.fingerprint()
+    assert document["pin"] == {"pin": pin.pin, "reason": pin.reason.value}
+    uva = decide_uva(snapshot, pin)
+    assert document["uva"] == {"enabled": uva.enabled, "reason": uva.reason.value}
+    assert document["snapshot"]["platform"]["has_cuda"] == snapshot.platform.has_cuda
+    assert document["snapshot"]["platform"]["torch_version"] == snapshot.platform.torch_version
+
+
+def test_env_text_shows_decisions_and_units(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "env")
+    assert code == 0
+    snapshot = capture_env(os.environ)
+    pin = decide_pinning(snapshot)
+    assert f"pinning: {'on' if pin.pin else 'off'} [{pin.reason.value}]" in out
+    assert "device_total_bytes" in out and "memlock_limit_bytes" in out
+    assert snapshot.fingerprint() in out
+
+
+def test_console_script_entry_point_is_declared() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'offload = "offload.cli:main"' in text
+    result = run_process("plan", "llama-8b", "--backend", "none", "--json")
+    assert result.returncode == 0
+    assert OffloadPlan.from_json(result.stdout).offloaded_params == ()
