@@ -93,7 +93,7 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
     if offloading and not anything:
         out.append(_w(WarningCode.NOTHING_OFFLOADED, _nothing_reason(f)))
     for group in f.selection.split_ties:
-        names = ", ".join(f"{layer}:{p.name}" for layer, p in group.members)
+        names = ", ".join(f"{layer}:{p.name}" for layer, p in group)
         out.append(_w(
             WarningCode.TIED_KEPT_RESIDENT,
             f"tied parameters {names} share one storage but only some of them can be "
