@@ -55,7 +55,7 @@ from offload.pure import (
 
 if TYPE_CHECKING:
     from offload.capture import capture_env
-    from offload.checkpoint import spec_from_checkpoint
+    from offload.checkpoint import read_checkpoint, spec_from_checkpoint
     from offload.describe import describe_layers
 
 # Shell names that import torch, loaded on first attribute access (PEP 562).
@@ -63,6 +63,7 @@ _LAZY = {
     "capture_env": "offload.capture",
     "describe_layers": "offload.describe",
     "spec_from_checkpoint": "offload.checkpoint",
+    "read_checkpoint": "offload.checkpoint",
 }
 
 __version__ = "0.1.0"
@@ -111,6 +112,7 @@ __all__ = [
     "parse_env",
     "preset_spec",
     "protocols",
+    "read_checkpoint",
     "render_plan",
     "resolve_backend",
     "schedule_prefetch",

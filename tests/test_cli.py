@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from offload import (
@@ -70,7 +71,10 @@ def test_plan_default_is_prefetch_4_1_2_on_llama_70b(capsys: pytest.CaptureFixtu
     assert plan.backend is Backend.PREFETCH
     # llama-70b has 80 layers; group 4, one per group: layers 3, 7, ..., 79.
     assert plan.offloaded_layers == tuple(range(3, 80, 4))
-    assert plan == make_plan(preset_spec("llama-70b"), DEFAULT_PREFETCH, capture_env(os.environ))
+    expected = make_plan(preset_spec("llama-70b"), DEFAULT_PREFETCH, capture_env(os.environ))
+    # Warning texts may quote available host memory, which moves between two captures.
+    assert attrs.evolve(plan, warnings=()) == attrs.evolve(expected, warnings=())
+    assert plan.warning_codes() == expected.warning_codes()
 
 
 def test_plan_text_says_it_used_the_default(capsys: pytest.CaptureFixture[str]) -> None:
