@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from offload.errors import PlanError
+from offload.errors import OffloadError, PlanError
 from offload.pure._checks import int_at_least, is_str, tuple_of, tuple_of_ints
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
@@ -340,4 +340,9 @@ class OffloadPlan:
             found = document.get("format") if isinstance(document, dict) else type(document).__name__
             raise PlanError(f"not an {PLAN_FORMAT} document (format is {found!r})",
                             name="format", value=found)
-        return from_data(cls, document.get("plan"))
+        try:
+            return from_data(cls, document.get("plan"))
+        except PlanError:
+            raise
+        except OffloadError as exc:  # e.g. a ConfigError from the embedded config
+            raise PlanError(f"the plan breaks a rule: {exc}", name=exc.name, value=exc.value) from exc

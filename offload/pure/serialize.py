@@ -94,6 +94,9 @@ def _build(hint: Any, data: Any, path: str) -> Any:
         unknown = sorted(set(data) - names)
         if unknown:
             raise _fail(path, f"only the fields of {hint.__name__}", unknown)
+        missing = [f.name for f in fields if f.name not in data and f.default is attrs.NOTHING]
+        if missing:
+            raise _fail(path, f"every required field of {hint.__name__} (missing {', '.join(missing)})", data)
         kwargs = {
             f.name: _build(hints[f.name], data[f.name], f"{path}.{f.name}")
             for f in fields
