@@ -13,7 +13,7 @@ import attrs
 
 from offload.errors import OffloadError
 
-__all__ = ["int_at_least", "is_int", "is_bool", "is_str", "tuple_of", "tuple_of_ints"]
+__all__ = ["int_at_least", "is_int", "one_of", "is_bool", "is_str", "tuple_of", "tuple_of_ints"]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -87,6 +87,20 @@ def tuple_of(kind: type, error: type[OffloadError]) -> Validator:
         if not isinstance(value, tuple) or not all(isinstance(v, kind) for v in value):
             raise error(
                 f"{attribute.name} must be a tuple of {kind.__name__}, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def one_of(options: tuple[str, ...], error: type[OffloadError]) -> Validator:
+    """A validator accepting one of `options`."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in options:
+            raise error(
+                f"{attribute.name} must be one of {', '.join(options)}, got {value!r}",
                 name=attribute.name,
                 value=value,
             )

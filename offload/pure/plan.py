@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from offload.errors import OffloadError, PlanError
-from offload.pure._checks import int_at_least, is_str, tuple_of, tuple_of_ints
+from offload.pure._checks import int_at_least, is_str, one_of, tuple_of, tuple_of_ints
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
 from offload.pure.schedule import PrefetchSchedule, check_schedule
@@ -85,6 +85,7 @@ class WarningCode(enum.Enum):
     SETTINGS_UNUSED = "settings_unused"
     NOTHING_OFFLOADED = "nothing_offloaded"
     TIED_KEPT_RESIDENT = "tied_kept_resident"
+    PLAN_REVISED = "plan_revised"
 
 
 @attrs.frozen(kw_only=True)
@@ -252,6 +253,9 @@ class OffloadPlan:
         host_bytes: host memory the host copies take, in bytes (exact size).
         warnings: what the user should know.
         env_fingerprint: `EnvSnapshot.fingerprint()` of the snapshot the plan was made for.
+        compute_device: "cuda" when the plan's platform has CUDA, else "cpu" (the compute
+            device without an accelerator); executors pick their default runtime by it.
+        num_layers: how many layers the model has (executors check they get that many).
     """
 
     config: OffloadConfig = attrs.field(validator=attrs.validators.instance_of(OffloadConfig))
@@ -270,8 +274,16 @@ class OffloadPlan:
     host_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
     warnings: tuple[PlanWarning, ...] = attrs.field(validator=tuple_of(PlanWarning, PlanError))
     env_fingerprint: str = attrs.field(validator=is_str(PlanError))
+    compute_device: str = attrs.field(validator=one_of(("cuda", "cpu"), PlanError))
+    num_layers: int = attrs.field(validator=int_at_least(0, PlanError))
 
     def __attrs_post_init__(self) -> None:
+        if self.params and self.params[-1].layer >= self.num_layers:
+            raise PlanError(
+                f"parameters name layer {self.params[-1].layer} but the plan has {self.num_layers} layers",
+                name="num_layers",
+                value=self.num_layers,
+            )
         if self.schedule.num_positions != len(self.offloaded_layers):
             raise PlanError(
                 f"the schedule covers {self.schedule.num_positions} positions but "

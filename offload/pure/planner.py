@@ -8,7 +8,6 @@ from offload.pure.env import EnvSnapshot
 from offload.pure.plan import (
     Backend,
     BackendReason,
-    BufferPlan,
     OffloadPlan,
     ParamPlan,
     Placement,
@@ -25,12 +24,11 @@ from offload.pure.select import (
     select_prefetch,
     select_uva,
 )
-from offload.pure.spec import ModelSpec, ParamSpec
+from offload.pure.layout import prefetch_buffers
+from offload.pure.spec import ModelSpec
 from offload.pure.warn import PlanFacts, plan_warnings
 
 __all__ = ["make_plan", "resolve_backend"]
-
-BufferKey = tuple[str, tuple[int, ...], tuple[int, ...], str]
 
 
 def resolve_backend(config: OffloadConfig) -> tuple[Backend, BackendReason]:
@@ -98,10 +96,9 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
 
     params: list[ParamPlan] = []
+    prefetched: list[ParamPlan] = []
     resident_bytes = 0
     on_device: dict[str, bool] = {}  # device name -> on the compute device (few distinct names)
-    buffer_slots: dict[BufferKey, set[int]] = {}
-    buffer_param: dict[BufferKey, ParamSpec] = {}
     for layer in spec.layers:
         slot = slot_of_layer.get(layer.index)
         for param in layer.params:
@@ -111,17 +108,9 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
                 if slot is None:  # UVA or on demand: no static buffer
                     params.append(ParamPlan(layer=layer.index, param=param, placement=placement, tied_to=tie))
                     continue
-                params.append(ParamPlan(layer=layer.index, param=param, placement=placement, slot=slot, tied_to=tie))
-                # A parameter tied to one in the same layer reads that one's buffer; a tie
-                # across layers gets a buffer per layer (they are resident at different
-                # times) but shares the one host copy.
-                if tie is None or tie[0] != layer.index:
-                    key = param.buffer_key
-                    if key in buffer_slots:
-                        buffer_slots[key].add(slot)
-                    else:
-                        buffer_slots[key] = {slot}
-                        buffer_param[key] = param
+                entry = ParamPlan(layer=layer.index, param=param, placement=placement, slot=slot, tied_to=tie)
+                params.append(entry)
+                prefetched.append(entry)
                 continue
             params.append(ParamPlan(layer=layer.index, param=param, placement=Placement.RESIDENT, tied_to=tie))
             here = on_device.get(param.device)
@@ -130,18 +119,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
             if here and tie is None:  # a tied storage counts once, at its first member
                 resident_bytes += param.nbytes
 
-    buffers = tuple(
-        BufferPlan(
-            name=p.name,
-            shape=p.shape,
-            stride=p.stride,
-            dtype=p.dtype,
-            itemsize=p.itemsize,
-            slot_bytes=p.nbytes,
-            slots=tuple(sorted(buffer_slots[key])),
-        )
-        for key, p in buffer_param.items()
-    )
+    buffers = prefetch_buffers(prefetched)
     offloaded_bytes = sum(group_nbytes(g) for g in selection.offloaded)
     device_bytes_buffers = sum(b.nbytes for b in buffers)
     facts = PlanFacts(
@@ -174,5 +152,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         host_bytes=offloaded_bytes,
         warnings=plan_warnings(facts),
         env_fingerprint=env.fingerprint(),
+        compute_device="cuda" if platform.has_cuda else "cpu",
+        num_layers=len(spec.layers),
     )
 

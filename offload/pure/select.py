@@ -94,10 +94,13 @@ class Selection:
     Attributes:
         offloaded: the groups that leave the compute device, in model order.
         split_ties: groups left resident because only some of their members could go.
+        cross_layer_ties: prefetch only: groups left resident because they span layers,
+            and one parameter object cannot point at two layers' buffers.
     """
 
     offloaded: tuple[StorageGroup, ...]
     split_ties: tuple[StorageGroup, ...]
+    cross_layer_ties: tuple[StorageGroup, ...] = ()
 
 
 def prefetch_layers(num_layers: int, group_size: int, num_in_group: int) -> tuple[int, ...]:
@@ -157,7 +160,11 @@ def select_prefetch(
     """
     wanted = frozenset(prefetch_layers(num_layers, config.group_size, config.num_in_group))
     whole, split = _select(groups, wanted, config, platform)
-    return Selection(offloaded=tuple(whole), split_ties=tuple(split))
+    # A storage tied across layers would need one buffer per layer, but its parameters
+    # (often one Parameter object) can only point at one: keep such ties resident.
+    same_layer = [g for g in whole if len(g) == 1 or all(layer == g[0][0] for layer, _ in g)]
+    across = [g for g in whole if not (len(g) == 1 or all(layer == g[0][0] for layer, _ in g))]
+    return Selection(offloaded=tuple(same_layer), split_ties=tuple(split), cross_layer_ties=tuple(across))
 
 
 def select_uva(groups: Sequence[StorageGroup], config: OffloadConfig, platform: Platform) -> Selection:

@@ -92,6 +92,13 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
         ))
     if offloading and not anything:
         out.append(_w(WarningCode.NOTHING_OFFLOADED, _nothing_reason(f)))
+    for group in f.selection.cross_layer_ties:
+        names = ", ".join(f"{layer}:{p.name}" for layer, p in group)
+        out.append(_w(
+            WarningCode.TIED_KEPT_RESIDENT,
+            f"tied parameters {names} share one storage across layers; the prefetch backend "
+            "cannot point them at two layers' buffers, so they stay resident",
+        ))
     for group in f.selection.split_ties:
         names = ", ".join(f"{layer}:{p.name}" for layer, p in group)
         out.append(_w(
