@@ -2,8 +2,8 @@
 
 Plan first (`make_plan`, pure, inspectable, serialisable), then execute. Importing this
 package does not import torch: the pure core and the errors load eagerly, and the shell
-functions that need torch (`capture_env`, `describe_layers`, `spec_from_checkpoint`) load
-on first use. Everything listed in `__all__` is the public surface.
+functions that need torch (`capture_env`, `describe_layers`, `spec_from_checkpoint`,
+`create_offloader`, the executors and runtimes) load on first use. Everything listed in `__all__` is the public surface.
 """
 
 from __future__ import annotations
@@ -52,9 +52,15 @@ from offload.pure import (
     schedule_prefetch,
     segment_matches,
 )
+from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
     from offload.capture import capture_env
+    from offload.create import create_offloader
+    from offload.executors.noop import NoopOffloader
+    from offload.executors.prefetch import PrefetchOffloader
+    from offload.runtime.cpu import CpuRuntime
+    from offload.runtime.cuda import CudaRuntime
     from offload.checkpoint import read_checkpoint, spec_from_checkpoint
     from offload.describe import describe_layers
 
@@ -64,6 +70,11 @@ _LAZY = {
     "describe_layers": "offload.describe",
     "spec_from_checkpoint": "offload.checkpoint",
     "read_checkpoint": "offload.checkpoint",
+    "create_offloader": "offload.create",
+    "CpuRuntime": "offload.runtime.cpu",
+    "CudaRuntime": "offload.runtime.cuda",
+    "NoopOffloader": "offload.executors.noop",
+    "PrefetchOffloader": "offload.executors.prefetch",
 }
 
 __version__ = "0.1.0"
@@ -76,6 +87,8 @@ __all__ = [
     "COMPUTE_DEVICE",
     "CheckpointError",
     "ConfigError",
+    "CpuRuntime",
+    "CudaRuntime",
     "DTYPE_ITEMSIZE",
     "ENV_VARIABLES",
     "EnvError",
@@ -84,9 +97,11 @@ __all__ = [
     "ExecutionError",
     "LayerSpec",
     "ModelSpec",
+    "NoopOffloader",
     "OffloadConfig",
     "OffloadError",
     "OffloadPlan",
+    "OffloadStats",
     "PLAN_FORMAT",
     "PRESETS",
     "ParamPlan",
@@ -97,6 +112,7 @@ __all__ = [
     "PlanError",
     "PlanWarning",
     "Platform",
+    "PrefetchOffloader",
     "PrefetchSchedule",
     "UvaDecision",
     "UvaReason",
@@ -104,6 +120,7 @@ __all__ = [
     "capture_env",
     "check_schedule",
     "contiguous_stride",
+    "create_offloader",
     "decide_pinning",
     "decide_uva",
     "describe_layers",

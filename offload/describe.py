@@ -15,7 +15,7 @@ from torch import nn
 from offload.errors import PlanError
 from offload.pure.spec import LayerSpec, ModelSpec, ParamSpec
 
-__all__ = ["describe_layers", "storage_key"]
+__all__ = ["describe_layers", "describe_tensor", "dtype_name", "storage_key"]
 
 
 def storage_key(tensor: torch.Tensor) -> str | None:
@@ -44,14 +44,20 @@ def storage_key(tensor: torch.Tensor) -> str | None:
         return None
     shape = "x".join(str(size) for size in tensor.shape)
     stride = ",".join(str(step) for step in tensor.stride())
-    return f"{tensor.device}@{pointer:#x}+{tensor.storage_offset()}:{shape}/{stride}:{_dtype_name(tensor.dtype)}"
+    return f"{tensor.device}@{pointer:#x}+{tensor.storage_offset()}:{shape}/{stride}:{dtype_name(tensor.dtype)}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
-def _describe_param(layer_index: int, name: str, tensor: torch.Tensor) -> ParamSpec:
+def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamSpec:
+    """The `ParamSpec` of one parameter's tensor, from its metadata only.
+
+    Raises:
+        PlanError: the tensor is not dense (strided).
+    """
     if tensor.layout != torch.strided:
         raise PlanError(
             f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
@@ -63,7 +69,7 @@ def _describe_param(layer_index: int, name: str, tensor: torch.Tensor) -> ParamS
         name=name,
         shape=tuple(int(size) for size in tensor.shape),
         stride=tuple(int(step) for step in tensor.stride()),
-        dtype=_dtype_name(tensor.dtype),
+        dtype=dtype_name(tensor.dtype),
         itemsize=tensor.element_size(),
         storage_key=storage_key(tensor),
         device=str(tensor.device),
@@ -107,7 +113,7 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
                 value=layer,
             )
         params = tuple(
-            _describe_param(index, name, param)
+            describe_tensor(index, name, param)
             for name, param in layer.named_parameters(remove_duplicate=False)
         )
         specs.append(LayerSpec(index=index, name=type(layer).__name__, params=params))

@@ -1,21 +1,26 @@
 """The narrow roles that tie `offload` together, as Protocols.
 
-`Offloader` is what every backend satisfies and what frameworks program against. The
-`Runtime` protocol (the effects an executor may use: streams, events, host memory,
-copies) arrives with the first executor.
+- `Offloader`: what every backend satisfies and what frameworks program against.
+- `Runtime`: the effects an executor may use (host memory, device buffers, streams and
+  events, copies, capture state). `CudaRuntime` is the real one; `CpuRuntime` runs the
+  same executor code on a machine without a GPU; tests inject recording fakes. Executors
+  never call ``torch.cuda`` themselves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from offload.pure.plan import OffloadPlan
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
-__all__ = ["Offloader"]
+    from offload.stats import OffloadStats
+
+__all__ = ["Event", "Offloader", "Runtime"]
 
 
 @runtime_checkable
@@ -24,7 +29,7 @@ class Offloader(Protocol):
 
     @property
     def plan(self) -> OffloadPlan:
-        """The plan this offloader runs (updated if post-processing changed shapes)."""
+        """The plan this offloader runs (revised if post-processing changed parameters)."""
         ...
 
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -47,6 +52,65 @@ class Offloader(Protocol):
         """Put every weight back where it was, bit-identical; remove hooks; free host memory."""
         ...
 
-    def stats(self) -> Mapping[str, int | float]:
+    def stats(self) -> OffloadStats:
         """Counters: bytes copied, copies issued, and what else the backend measures."""
+        ...
+
+
+class Event(Protocol):
+    """An opaque marker in a stream's queue, made by a `Runtime` and only used with it."""
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """The effects an executor may use. Implementations decide nothing either: whether to
+    pin is an argument, taken from the plan."""
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (``cuda:0``, or ``cpu`` without an accelerator)."""
+        ...
+
+    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        """An exact-size host tensor with `tensor`'s shape, strides, dtype and values.
+
+        Args:
+            tensor: the source, on any device.
+            pin: page-lock the host memory (as the plan's `PinDecision` says).
+
+        Raises:
+            ExecutionError: the allocation, pinning or copy failed.
+        """
+        ...
+
+    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor on the compute device with exactly these strides."""
+        ...
+
+    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A synchronous copy of `tensor` onto `device`, keeping its strides (restore)."""
+        ...
+
+    def record(self) -> Event:
+        """An event on the compute stream after everything queued on it so far."""
+        ...
+
+    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event:
+        """Queue ``dst.copy_(src)`` on the copy stream once `after` has happened.
+
+        Returns:
+            An event that happens when the copy is done.
+        """
+        ...
+
+    def wait(self, event: Event) -> None:
+        """Make the compute stream wait for `event` (it does not block the host)."""
+        ...
+
+    def is_capturing(self) -> bool:
+        """True while the compute stream is being captured into a CUDA graph."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until every stream of this runtime is idle."""
         ...

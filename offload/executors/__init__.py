@@ -1,0 +1,6 @@
+"""Executors: each runs one backend's plans and decides nothing the plan has not decided."""
+
+from offload.executors.noop import NoopOffloader
+from offload.executors.prefetch import PrefetchOffloader
+
+__all__ = ["NoopOffloader", "PrefetchOffloader"]

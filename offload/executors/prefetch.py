@@ -1,0 +1,371 @@
+"""`PrefetchOffloader`: weights in host memory, streamed into static device buffers a few
+layers ahead of the compute that reads them.
+
+It follows the plan and decides nothing: which parameters, pinned or not, which slot,
+which copy after which layer all come from the `OffloadPlan`. Effects go through the
+injected `Runtime`.
+
+Ordering. Position ``i`` (the i-th offloaded layer) runs as: wait for its copy's done
+event; run the layer; record an event on the compute stream; issue the copy the schedule
+names (``next_after[i]``) on the copy stream after that event. The schedule's proof
+(`check_schedule`) guarantees that copy goes into a slot whose previous owner has run, and
+the event guarantees the owner's kernels are finished before the copy overwrites it.
+
+CUDA graphs. `sync_prev_onload` before capture makes every earlier copy complete, so
+inside the capture the waits for copies issued before it are skipped (their events cannot
+be waited on from a capture); copies issued inside it are waited on by event, and
+`join_after_forward` joins those still outstanding before the capture ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import torch
+from torch import nn
+
+from offload.describe import describe_tensor
+from offload.errors import ExecutionError, OffloadError, PlanError
+from offload.executors import ops
+from offload.executors.common import (
+    Ref,
+    check_layers,
+    find_parameter,
+    first_float_tensor,
+    patch_forward,
+    torch_dtype,
+    unpatch_forward,
+)
+from offload.protocols import Event, Runtime
+from offload.pure.plan import Backend, OffloadPlan
+from offload.pure.revise import revise_plan
+from offload.pure.spec import ParamSpec
+from offload.stats import OffloadStats
+
+__all__ = ["PrefetchOffloader"]
+
+log = logging.getLogger(__name__)
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    WRAPPED = "wrapped"
+    READY = "ready"
+    RESTORED = "restored"
+
+
+@final
+class PrefetchOffloader:
+    """The prefetch backend. Create it with `offload.create_offloader`.
+
+    Args:
+        plan: a plan whose backend is prefetch.
+        runtime: the effects to use (`CudaRuntime`, `CpuRuntime`, or a fake).
+
+    Raises:
+        PlanError: the plan's backend is not prefetch.
+    """
+
+    def __init__(self, plan: OffloadPlan, runtime: Runtime) -> None:
+        if plan.backend is not Backend.PREFETCH:
+            raise PlanError(f"PrefetchOffloader runs prefetch plans, got backend {plan.backend.value}",
+                            name="backend", value=plan.backend.value)
+        self._plan = plan
+        self._rt = runtime
+        self._state = _State.NEW
+        self._layers: list[nn.Module] = []
+        self._host: dict[Ref, torch.Tensor] = {}  # primary (layer, name) -> host copy
+        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
+        self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
+        self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
+        self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
+        self._done: list[Event | None] = []
+        self._captured: set[int] = set()  # positions whose copy was issued inside a capture
+        self._dropped = 0
+        self._copies_issued = 0
+        self._bytes_copied = 0
+        self._handle = 0
+
+    @property
+    def plan(self) -> OffloadPlan:
+        """The plan being run; after `post_init`, revised for parameters that post-processing
+        replaced or deleted."""
+        return self._plan
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
+        """Move every planned parameter to host storage and install the forward hooks.
+
+        Host copies are pinned exactly when ``plan.pin.pin`` says so. If anything fails,
+        every parameter already moved is put back, so the model is exactly as it was.
+
+        Args:
+            layers: the model's layers, the same ones (and order) the plan describes.
+
+        Returns:
+            The same layers, now offloaded.
+
+        Raises:
+            ExecutionError: called twice, or a host copy failed (the cause is attached).
+            PlanError: the layers do not match the plan.
+        """
+        if self._state is not _State.NEW:
+            raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        layers = list(layers)
+        live = check_layers(self._plan, layers, self._rt.device)
+        moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        try:
+            for p in self._plan.offloaded_params:
+                ref = (p.layer, p.name)
+                param = live[ref]
+                if p.tied_to is None:
+                    self._host[ref] = self._rt.host_copy(param.data, pin=self._plan.pin.pin)
+                host = self._host[p.tied_to if p.tied_to is not None else ref]
+                self._origin[ref] = param.device
+                moved.append((param, param.data))
+                param.data = host
+        except BaseException as exc:
+            for param, data in reversed(moved):
+                param.data = data
+            self._host.clear()
+            self._origin.clear()
+            if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
+                raise
+            raise ExecutionError(f"moving weights to host memory failed, model left as it was: {exc}",
+                                 name="wrap_modules", value=type(exc).__name__) from exc
+        self._layers = layers
+        self._handle = ops.register(self)
+        for position, index in enumerate(self._plan.offloaded_layers):
+            self._patched[index] = patch_forward(layers[index], functools.partial(self._wrap_forward, position))
+        self._state = _State.WRAPPED
+        log.info("offloaded %d parameters of %d layers to host memory (%s)", len(self._origin),
+                 len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable")
+        return layers
+
+    def post_init(self) -> None:
+        """After the weights are final: re-sync host copies, allocate buffers, prefetch.
+
+        Re-reads every planned parameter by name. Data that post-processing replaced (a
+        new tensor, perhaps unpinned, perhaps of another shape or dtype) is copied into
+        host storage pinned as the plan says; a deleted parameter is dropped. The plan is
+        revised to match, then the static buffers are allocated from it, each offloaded
+        parameter is pointed at its slot, and the first copies are issued.
+
+        Raises:
+            ExecutionError: not called exactly once after `wrap_modules`, or an allocation
+                or copy failed.
+        """
+        if self._state is not _State.WRAPPED:
+            raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        revised = revise_plan(self._plan, self._resync())
+        if revised is not self._plan:
+            log.info("post-processing changed offloaded parameters; plan revised")
+        self._plan = plan = revised
+        for b in plan.buffers:
+            dtype = torch_dtype(b.dtype)
+            self._buffers[b.key] = {slot: self._rt.device_empty(b.shape, b.stride, dtype) for slot in b.slots}
+        position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
+        self._copies = [[] for _ in plan.offloaded_layers]
+        for p in plan.offloaded_params:
+            ref = (p.layer, p.name)
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is None or p.slot is None:
+                raise ExecutionError(f"layer {p.layer} parameter {p.name!r} vanished during post_init",
+                                     name=p.name, value=p.layer)
+            if p.tied_to is not None and p.tied_to[0] == p.layer:
+                primary = find_parameter(self._layers[p.layer], p.tied_to[1])
+                if primary is None:
+                    raise ExecutionError(f"tied parameter {p.tied_to} vanished during post_init",
+                                         name=p.tied_to[1], value=p.layer)
+                param.data = primary.data  # shares its buffer
+                continue
+            buffer = self._buffers[p.buffer_key][p.slot]
+            param.data = buffer
+            self._copies[position_of[p.layer]].append((buffer, self._host[p.tied_to or ref]))
+        self._done = [None] * len(plan.offloaded_layers)
+        for position in plan.schedule.initial:
+            self._issue(position, self._rt.record())
+        self._state = _State.READY
+
+    def _resync(self) -> dict[Ref, ParamSpec | None]:
+        """Re-read offloaded parameters; re-copy replaced data; report what each is now."""
+        actual: dict[Ref, ParamSpec | None] = {}
+        for p in self._plan.offloaded_params:
+            ref = (p.layer, p.name)
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is None:
+                actual[ref] = None
+                self._dropped += 1
+                self._host.pop(ref, None)
+                log.info("layer %d parameter %r was deleted by post-processing; dropped", p.layer, p.name)
+                continue
+            expected = self._host.get(p.tied_to or ref)
+            if expected is None or param.data is not expected:
+                # Replaced (or its tie was broken): its data gets its own host copy.
+                self._host[ref] = self._rt.host_copy(param.data, pin=self._plan.pin.pin)
+                param.data = self._host[ref]
+            spec = describe_tensor(p.layer, p.name, param.data)
+            actual[ref] = ParamSpec(name=spec.name, shape=spec.shape, stride=spec.stride, dtype=spec.dtype,
+                                    itemsize=spec.itemsize, storage_key=spec.storage_key, device=p.device)
+        return actual
+
+    # ---- the forward path -----------------------------------------------------------
+
+    def _wrap_forward(self, position: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        handle = self._handle
+
+        def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+            activation = first_float_tensor((*args, *kwargs.values()))
+            if activation is None:
+                self.wait_position(position)
+            else:
+                ops.wait_prefetch(activation, handle, position)
+            out = forward(*args, **kwargs)
+            produced = first_float_tensor((out,))
+            if produced is None:
+                produced = activation
+            if produced is None:
+                self.start_after_position(position)
+            else:
+                ops.start_prefetch(produced, handle, position)
+            return out
+
+        return offloaded_forward
+
+    def _issue(self, position: int, after: Event) -> None:
+        done: Event = after
+        first = True
+        for buffer, host in self._copies[position]:
+            done = self._rt.copy_after(buffer, host, after if first else None)
+            first = False
+            self._copies_issued += 1
+            self._bytes_copied += host.untyped_storage().nbytes()
+        self._done[position] = done
+
+    def _check_capturable(self) -> None:
+        if not self._plan.pin.pin:
+            raise ExecutionError(
+                "cannot capture a CUDA graph of a model whose offloaded weights are in pageable "
+                f"host memory (pinning is off: {self._plan.pin.explanation}); PyTorch refuses "
+                "host-to-device copies from pageable memory during capture. Run without CUDA "
+                "graphs, or plan with pinning enabled",
+                name="pin",
+                value=False,
+            )
+
+    def wait_position(self, position: int) -> None:
+        """Make the compute stream wait for position's copy (called by the custom op)."""
+        if self._state is not _State.READY:
+            raise ExecutionError(
+                f"an offloaded layer ran before post_init() (state {self._state.value})",
+                name="state", value=self._state.value,
+            )
+        done = self._done[position]
+        if done is None:
+            raise ExecutionError(
+                f"offloaded layer {self._plan.offloaded_layers[position]} ran again before its weights "
+                "were copied back: offloaded layers must run in order, every layer once per step",
+                name="position", value=position,
+            )
+        self._done[position] = None
+        if self._rt.is_capturing():
+            self._check_capturable()
+            if position not in self._captured:
+                return  # issued before the capture; sync_prev_onload made sure it is done
+            self._captured.discard(position)
+        self._rt.wait(done)
+
+    def start_after_position(self, position: int) -> None:
+        """Issue the copy the schedule names after position's forward (called by the op)."""
+        target = self._plan.schedule.next_after[position]
+        if target is None:
+            return
+        capturing = self._rt.is_capturing()
+        if capturing:
+            self._check_capturable()
+        self._issue(target, self._rt.record())
+        if capturing:
+            self._captured.add(target)
+
+    # ---- CUDA graphs ----------------------------------------------------------------
+
+    def sync_prev_onload(self) -> None:
+        """Before capture or replay: block until every copy issued so far is done.
+
+        Raises:
+            ExecutionError: called before `post_init`.
+        """
+        if self._state is not _State.READY:
+            raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        self._rt.synchronize()
+
+    def join_after_forward(self) -> None:
+        """Inside a capture, after the forward: join every copy issued in it and not yet
+        waited on, so the capture ends with no unjoined stream. Outside a capture there is
+        nothing outstanding of that kind and it returns at once."""
+        for position in sorted(self._captured):
+            done = self._done[position]
+            if done is not None:
+                self._rt.wait(done)
+        self._captured.clear()
+
+    # ---- teardown and counters ------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put every weight back on its original device, bit for bit; remove the hooks;
+        release buffers and host memory.
+
+        Raises:
+            ExecutionError: nothing to restore (never wrapped, or already restored), or a
+                device copy failed.
+        """
+        if self._state not in (_State.WRAPPED, _State.READY):
+            raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        self._rt.synchronize()
+        restored: dict[Ref, torch.Tensor] = {}
+        for p in self._plan.offloaded_params:
+            ref = (p.layer, p.name)
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is None:
+                continue
+            owner = ref if ref in self._host else p.tied_to
+            if owner is None or owner not in self._host:
+                raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
+                                     name=p.name, value=p.layer)
+            if owner not in restored:
+                restored[owner] = self._rt.copy_to(self._host[owner], self._origin[owner])
+            param.data = restored[owner]
+        for index, previous in self._patched.items():
+            unpatch_forward(self._layers[index], previous)
+        ops.unregister(self._handle)
+        self._patched.clear()
+        self._copies = []
+        self._buffers.clear()
+        self._host.clear()
+        self._done = []
+        self._captured.clear()
+        self._state = _State.RESTORED
+        log.info("restored %d parameters", len(restored))
+
+    def stats(self) -> OffloadStats:
+        """Counters since `wrap_modules` (see `OffloadStats`)."""
+        active = self._state in (_State.WRAPPED, _State.READY)
+        return OffloadStats(
+            params_offloaded=len(self._plan.offloaded_params) if active else 0,
+            params_dropped=self._dropped,
+            host_bytes=sum(t.untyped_storage().nbytes() for t in self._host.values()),
+            device_buffer_bytes=sum(t.untyped_storage().nbytes() for slots in self._buffers.values()
+                                    for t in slots.values()),
+            copies_issued=self._copies_issued,
+            bytes_copied=self._bytes_copied,
+            wait_seconds=None,
+        )

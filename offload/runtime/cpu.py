@@ -1,0 +1,98 @@
+"""`CpuRuntime`: the executor's effects on a machine without a GPU.
+
+The "device" is the CPU, copies run synchronously when issued, and events are counters.
+It exists so that CI runs the very same executor code a GPU runs: hooks, slots, the
+schedule, parity and restore. It saves no memory, and nothing here pretends otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import final
+
+import attrs
+import torch
+
+from offload.errors import ExecutionError
+
+__all__ = ["CpuEvent", "CpuRuntime"]
+
+
+@attrs.frozen
+class CpuEvent:
+    """A point in the CPU runtime's single, synchronous order of work."""
+
+    sequence: int
+
+
+def host_empty_like(tensor: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
+    """An exact-size, uninitialised host tensor with `tensor`'s shape, strides and dtype."""
+    return torch.empty_strided(
+        tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="cpu", pin_memory=pin
+    )
+
+
+@final
+class CpuRuntime:
+    """Runs executors on the CPU: synchronous copies, trivial streams and events."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU."""
+        return torch.device("cpu")
+
+    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        """A separate host tensor with the same shape, strides and values.
+
+        Raises:
+            ExecutionError: `pin` is True (pinning needs CUDA; a plan made for a machine
+                without an accelerator never asks for it), or the copy failed.
+        """
+        if pin:
+            raise ExecutionError(
+                "the CPU runtime cannot pin host memory; this plan was made for a CUDA "
+                "platform (run it with CudaRuntime, or plan for this machine)",
+                name="pin",
+                value=pin,
+            )
+        try:
+            host = host_empty_like(tensor)
+            host.copy_(tensor)
+        except RuntimeError as exc:
+            raise ExecutionError(f"host copy of a {tuple(tensor.shape)} {tensor.dtype} tensor failed: {exc}",
+                                 name="host_copy", value=tuple(tensor.shape)) from exc
+        return host
+
+    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor with exactly these strides."""
+        return torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
+
+    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of `tensor` on `device` (the CPU here), keeping its strides."""
+        if device.type != "cpu":
+            raise ExecutionError(f"the CPU runtime cannot copy to {device}", name="device", value=str(device))
+        out = host_empty_like(tensor)
+        out.copy_(tensor)
+        return out
+
+    def record(self) -> CpuEvent:
+        """Everything issued so far has already happened."""
+        return CpuEvent(next(self._counter))
+
+    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> CpuEvent:
+        """Copy now: on the CPU every earlier event has already happened."""
+        dst.copy_(src)
+        return CpuEvent(next(self._counter))
+
+    def wait(self, event: object) -> None:
+        """Nothing to wait for: copies finished when they were issued."""
+
+    def is_capturing(self) -> bool:
+        """Never: CUDA graphs need CUDA."""
+        return False
+
+    def synchronize(self) -> None:
+        """Nothing is ever in flight."""
