@@ -1,4 +1,4 @@
-"""The `offload` command line: ``offload env`` and ``offload plan``.
+"""The `offload` command line: ``offload env``, ``offload plan`` and ``offload demo``.
 
 User errors (a junk environment variable, a bad flag value, a missing or corrupt
 checkpoint) exit with status 2 and one line on stderr naming what was wrong; nothing the
@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan for a CUDA device of this many GiB instead of this machine")
     plan.add_argument("--params", action="store_true", help="one row per parameter")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (OffloadPlan.from_json reads it)")
+
+    demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")
+    demo.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default: auto (CUDA if available)")
+    demo.add_argument("--layers", type=_positive_int, default=8, help="blocks (default 8)")
+    demo.add_argument("--hidden", type=_positive_int, default=256, help="width, a multiple of 64 (default 256)")
+    demo.add_argument("--tokens", type=_positive_int, default=64, help="tokens per step (default 64)")
     return parser
 
 
@@ -151,7 +157,7 @@ def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
         raise _UserError("offload plan: --device-gib must be greater than 0")
     platform = Platform(
         has_cuda=True,
-        device_name=f"planned CUDA device with {args.device_gib:g} GiB",
+        device_name="planned CUDA device",
         device_total_bytes=round(args.device_gib * GIB),
         can_map_host_memory=True,
         can_register_host_memory=True,
@@ -223,6 +229,25 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from offload.demo import run_demo, summarize
+
+    env = _capture()
+    result = run_demo(
+        env=env, device=args.device, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
+        progress=lambda line: print(f"... {line}", flush=True),
+    )
+    print()
+    print(render_plan(result.plan))
+    print()
+    for label, text in summarize(result).items():
+        print(f"{label + ':':<15}{text}")
+    if result.mechanics_only:
+        print("no GPU here: the offloading mechanics ran for real on the CPU and were verified; "
+              "nothing is faster or smaller on a CPU")
+    return 0 if result.outputs_equal and result.restored_equal else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
@@ -238,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.command == "env":
             return _cmd_env(args)
+        if args.command == "demo":
+            return _cmd_demo(args)
         return _cmd_plan(args)
     except _UserError as exc:
         print(str(exc), file=sys.stderr)

@@ -107,7 +107,7 @@ def test_plan_text_totals_match_the_plan(capsys: pytest.CaptureFixture[str]) -> 
         ("host", plan.host_bytes),
     ]:
         assert totals[label] == [str(value), f"{value / GIB:.2f}"], label
-    assert "planned CUDA device with 24 GiB" in out
+    assert "device:   planned CUDA device, 24.00 GiB" in out
     # Layers 6 and 7 of every 8 are offloaded, adjacent, and the depth is 1.
     assert "[prefetch_stalls]" in out
 

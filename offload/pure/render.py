@@ -90,7 +90,7 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         lines.append(
             f"prefetch: group_size {c.group_size}, num_in_group {c.num_in_group}, "
             f"prefetch_step {c.prefetch_step}; {len(plan.offloaded_layers)} layers offloaded, "
-            f"{plan.schedule.num_slots} slots per buffer key"
+            f"{plan.schedule.num_slots} slot{'' if plan.schedule.num_slots == 1 else 's'} per buffer key"
         )
     if plan.backend is Backend.UVA:
         lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")
