@@ -13,7 +13,7 @@ import attrs
 
 from offload.errors import OffloadError
 
-__all__ = ["int_at_least", "is_int", "one_of", "is_bool", "is_str", "tuple_of", "tuple_of_ints"]
+__all__ = ["int_at_least", "is_int", "non_empty_str", "one_of", "is_bool", "is_str", "tuple_of", "tuple_of_ints"]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -24,13 +24,16 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def int_at_least(minimum: int, error: type[OffloadError]) -> Validator:
-    """A validator accepting ints (not bools) that are at least `minimum`."""
+def int_at_least(minimum: int, error: type[OffloadError], *, optional: bool = False) -> Validator:
+    """A validator accepting ints (not bools) that are at least `minimum` (and None when
+    `optional`)."""
 
     def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if optional and value is None:
+            return
         if not is_int(value) or value < minimum:
             raise error(
-                f"{attribute.name} must be an integer >= {minimum}, got {value!r}",
+                f"{attribute.name} must be {'None or ' if optional else ''}an integer >= {minimum}, got {value!r}",
                 name=attribute.name,
                 value=value,
             )
@@ -45,6 +48,22 @@ def is_bool(error: type[OffloadError]) -> Validator:
         if not isinstance(value, bool):
             raise error(
                 f"{attribute.name} must be True or False, got {value!r}",
+                name=attribute.name,
+                value=value,
+            )
+
+    return check
+
+
+def non_empty_str(error: type[OffloadError], *, optional: bool = False) -> Validator:
+    """A validator accepting non-empty strings (and None when `optional`)."""
+
+    def check(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if optional and value is None:
+            return
+        if not isinstance(value, str) or value == "":
+            raise error(
+                f"{attribute.name} must be {'None or ' if optional else ''}a non-empty string, got {value!r}",
                 name=attribute.name,
                 value=value,
             )

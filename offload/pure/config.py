@@ -7,21 +7,12 @@ from typing import Any, Literal, get_args
 import attrs
 
 from offload.errors import ConfigError
-from offload.pure._checks import int_at_least
+from offload.pure._checks import int_at_least, one_of
 
 __all__ = ["BackendName", "OffloadConfig", "segment_matches"]
 
 BackendName = Literal["auto", "prefetch", "uva", "none"]
 _BACKENDS: tuple[str, ...] = get_args(BackendName)
-
-
-def _backend(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value not in _BACKENDS:
-        raise ConfigError(
-            f"backend must be one of {', '.join(_BACKENDS)}, got {value!r}",
-            name=attribute.name,
-            value=value,
-        )
 
 
 def _filter(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -77,7 +68,7 @@ class OffloadConfig:
         ConfigError: at construction, for a bad value or combination, naming it.
     """
 
-    backend: BackendName = attrs.field(default="auto", validator=_backend)
+    backend: BackendName = attrs.field(default="auto", validator=one_of(_BACKENDS, ConfigError))
     group_size: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
     num_in_group: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
     prefetch_step: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from offload.errors import EnvError, PlanError
-from offload.pure._checks import int_at_least, is_bool, is_str
+from offload.pure._checks import int_at_least, is_bool, is_str, tuple_of
 
 __all__ = [
     "ENV_VARIABLES",
@@ -101,23 +101,6 @@ def parse_env(environ: Mapping[str, str]) -> EnvFlags:
     return EnvFlags(**values)
 
 
-def _optional_non_negative(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise PlanError(
-            f"{attribute.name} must be None or an integer >= 0, got {value!r}",
-            name=attribute.name,
-            value=value,
-        )
-
-
-def _notes(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
-        raise PlanError(f"{attribute.name} must be a tuple of strings, got {value!r}",
-                        name=attribute.name, value=value)
-
-
 #: Field metadata key marking a reading that changes from moment to moment (free memory);
 #: such fields are left out of `EnvSnapshot.fingerprint`.
 VOLATILE = "offload.volatile"
@@ -162,13 +145,13 @@ class Platform:
     can_map_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
     can_register_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
     is_wsl: bool = attrs.field(default=False, validator=is_bool(PlanError))
-    memlock_limit_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
-    host_total_bytes: int | None = attrs.field(default=None, validator=_optional_non_negative)
+    memlock_limit_bytes: int | None = attrs.field(default=None, validator=int_at_least(0, PlanError, optional=True))
+    host_total_bytes: int | None = attrs.field(default=None, validator=int_at_least(0, PlanError, optional=True))
     host_available_bytes: int | None = attrs.field(
-        default=None, validator=_optional_non_negative, metadata={VOLATILE: True}
+        default=None, validator=int_at_least(0, PlanError, optional=True), metadata={VOLATILE: True}
     )
     torch_version: str = attrs.field(default="", validator=is_str(PlanError))
-    probe_notes: tuple[str, ...] = attrs.field(default=(), validator=_notes)
+    probe_notes: tuple[str, ...] = attrs.field(default=(), validator=tuple_of(str, PlanError))
 
     @property
     def is_coherent_unified_memory(self) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import attrs
 
 from offload.errors import CheckpointError
-from offload.pure._checks import int_at_least, is_int, tuple_of, tuple_of_ints
+from offload.pure._checks import int_at_least, is_int, non_empty_str, tuple_of, tuple_of_ints
 from offload.pure.spec import COMPUTE_DEVICE, DTYPE_ITEMSIZE, LayerSpec, ModelSpec, ParamSpec, contiguous_stride
 
 __all__ = [
@@ -81,12 +81,6 @@ def _known_dtype(_instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
                               name=attribute.name, value=value)
 
 
-def _non_empty(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or value == "":
-        raise CheckpointError(f"{attribute.name} must be a non-empty string, got {_short(value)}",
-                              name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class TensorHeader:
     """One tensor as a safetensors header describes it; no data.
@@ -100,7 +94,7 @@ class TensorHeader:
             ``numel * itemsize``.
     """
 
-    name: str = attrs.field(validator=_non_empty)
+    name: str = attrs.field(validator=non_empty_str(CheckpointError))
     dtype: str = attrs.field(validator=_known_dtype)
     shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, CheckpointError))
     begin: int = attrs.field(validator=int_at_least(0, CheckpointError))

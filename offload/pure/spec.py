@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from offload.errors import PlanError
-from offload.pure._checks import int_at_least, is_str, tuple_of_ints
+from offload.pure._checks import int_at_least, is_str, non_empty_str, tuple_of, tuple_of_ints
 
 __all__ = [
     "COMPUTE_DEVICE",
@@ -67,18 +67,6 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _optional_key(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or value == ""):
-        raise PlanError(f"{attribute.name} must be None or a non-empty string, got {value!r}",
-                        name=attribute.name, value=value)
-
-
-def _non_empty_name(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str) or value == "":
-        raise PlanError(f"{attribute.name} must be a non-empty string, got {value!r}",
-                        name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class ParamSpec:
     """One parameter of a layer, without its data.
@@ -97,12 +85,12 @@ class ParamSpec:
             `COMPUTE_DEVICE` for weights that will be loaded onto the compute device.
     """
 
-    name: str = attrs.field(validator=_non_empty_name)
+    name: str = attrs.field(validator=non_empty_str(PlanError))
     shape: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     stride: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
-    dtype: str = attrs.field(validator=_non_empty_name)
+    dtype: str = attrs.field(validator=non_empty_str(PlanError))
     itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
-    storage_key: str | None = attrs.field(default=None, validator=_optional_key)
+    storage_key: str | None = attrs.field(default=None, validator=non_empty_str(PlanError, optional=True))
     device: str = attrs.field(default=COMPUTE_DEVICE, validator=is_str(PlanError))
 
     def __attrs_post_init__(self) -> None:
@@ -146,11 +134,6 @@ class ParamSpec:
         return (last + 1) * self.itemsize
 
 
-def _params(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, tuple) or not all(isinstance(p, ParamSpec) for p in value):
-        raise PlanError(f"{attribute.name} must be a tuple of ParamSpec", name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class LayerSpec:
     """One layer: the unit that is offloaded and prefetched as a whole.
@@ -163,7 +146,7 @@ class LayerSpec:
 
     index: int = attrs.field(validator=int_at_least(0, PlanError))
     name: str = attrs.field(validator=is_str(PlanError))
-    params: tuple[ParamSpec, ...] = attrs.field(validator=_params)
+    params: tuple[ParamSpec, ...] = attrs.field(validator=tuple_of(ParamSpec, PlanError))
 
     def __attrs_post_init__(self) -> None:
         seen: set[str] = set()
@@ -182,9 +165,8 @@ class LayerSpec:
         return _unique_bytes(self.params)
 
 
-def _layers(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, tuple) or not all(isinstance(layer, LayerSpec) for layer in value):
-        raise PlanError(f"{attribute.name} must be a tuple of LayerSpec", name=attribute.name, value=value)
+def _layers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    tuple_of(LayerSpec, PlanError)(instance, attribute, value)
     for position, layer in enumerate(value):
         if layer.index != position:
             raise PlanError(

@@ -440,7 +440,8 @@ def expected_offloaded(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot,
         return []
     whole = [u for u in storage_units(spec) if all(member_ok(i, p, config, env, backend) for i, p in u)]
     if backend is Backend.PREFETCH:
-        return whole
+        # A storage shared by several layers stays resident with prefetch.
+        return [u for u in whole if len({i for i, _ in u}) == 1]
     taken: list[Unit] = []
     total = 0
     for unit in whole:
