@@ -1,0 +1,1 @@
+"""Benchmarks: run each file with ``python benchmarks/<name>.py``; they print times and ratios."""
