@@ -22,8 +22,12 @@ from offload.errors import OffloadError
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
+from offload.pure.estimate import Workload, estimate
+from offload.pure.fit import fit
+from offload.pure.fit_render import render_estimate, render_fit
 from offload.pure.planner import make_plan
 from offload.pure.presets import PRESETS, preset_spec
+from offload.pure.profiles import PROFILES, DeviceProfile, planning_env, profile_by_name, profile_from_numbers
 from offload.pure.render import render_plan, render_table
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
@@ -58,6 +62,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
+def _tokens(text: str) -> int:
+    value = _positive_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not at least 1")
     return value
 
 
@@ -98,7 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-gib", type=_gib,
                       help="plan for a CUDA device of this many GiB instead of this machine")
     plan.add_argument("--params", action="store_true", help="one row per parameter")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON (OffloadPlan.from_json reads it)")
+    plan.add_argument("--json", action="store_true",
+                      help="print the plan as JSON (OffloadPlan.from_json reads it); with --fit-gib, the fit result")
+    plan.add_argument("--fit-gib", type=_gib,
+                      help="choose the fastest configuration whose device bytes fit this budget (needs a profile)")
+    plan.add_argument("--reserve-gib", type=_gib, default=0.0,
+                      help="with --fit-gib: device GiB kept for activations and caches (default 0)")
+    plan.add_argument("--tokens", type=_tokens, default=1, help="tokens per step for the estimate (default 1)")
+    plan.add_argument("--profile", choices=sorted(PROFILES), help="the target device's speeds, for the estimate")
+    plan.add_argument("--link-gbps", type=_gib, help="measured pinned host-to-device GB/s (overrides the profile's)")
+    plan.add_argument("--tflops", type=_gib, help="achieved dense bf16 TFLOP/s (overrides the profile's)")
 
     demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")
     demo.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default: auto (CUDA if available)")
@@ -167,10 +187,53 @@ def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
     return attrs.evolve(snapshot, platform=platform)
 
 
+def _profile(args: argparse.Namespace) -> DeviceProfile | None:
+    """The profile the flags name or build, or None when they give none."""
+    profile = profile_by_name(args.profile) if args.profile else None
+    if args.link_gbps is not None or args.tflops is not None:
+        if profile is None and (args.link_gbps is None or args.tflops is None):
+            raise _UserError("offload plan: without --profile, give both --link-gbps and --tflops")
+        profile = profile_from_numbers(link_gbps=args.link_gbps, tflops=args.tflops, base=profile)
+    return profile
+
+
+def _cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
+    if profile is None:
+        raise _UserError("offload plan: --fit-gib needs --profile NAME, or --link-gbps and --tflops")
+    chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
+                                       ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
+                                       ("--uva-gib", args.uva_gib)) if value is not None]
+    if chosen:
+        raise _UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
+    spec, origin = _source(args.source)
+    budget = round(args.fit_gib * GIB)
+    env = _planning_env(args)
+    if not env.platform.has_cuda:
+        # Planning for the profile's device from a machine without one: the budget is the
+        # device memory the model may use there.
+        env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
+    result = fit(
+        spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
+        reserve_bytes=round(args.reserve_gib * GIB), param_filter=tuple(args.filter),
+    )
+    if args.json:
+        print(result.to_json(indent=2))
+        return 0
+    print(f"model:    {origin}: {len(spec.layers)} layers, {spec.num_params} parameters, {format_bytes(spec.nbytes)}")
+    print(f"profile:  {profile.name} ({profile.device_name})")
+    print(render_fit(result))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    profile = _profile(args)
+    if args.fit_gib is not None:
+        return _cmd_fit(args, profile)
     config, is_default = _config(args)
     spec, origin = _source(args.source)
     env = _planning_env(args)
+    if profile is not None:
+        env = planning_env(env, profile)
     plan = make_plan(spec, config, env)
     if args.json:
         print(plan.to_json(indent=2))
@@ -189,6 +252,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
         )
     print(render_plan(plan, per_param=args.params))
+    if profile is not None:
+        print()
+        print(f"estimate on {profile.name} at {args.tokens} tokens per step:")
+        print(render_estimate(estimate(plan, profile, Workload(tokens_per_step=args.tokens))))
     return 0
 
 

@@ -24,6 +24,7 @@ from offload import (
     preset_spec,
 )
 from offload.cli import DEFAULT_PREFETCH, main
+from offload.pure.serialize import from_data
 from offload.pure.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,3 +256,64 @@ def test_console_script_entry_point_is_declared() -> None:
     result = run_process("plan", "llama-8b", "--backend", "none", "--json")
     assert result.returncode == 0
     assert OffloadPlan.from_json(result.stdout).offloaded_params == ()
+
+
+# ---- offload plan --fit-gib (issue 5) ------------------------------------------------
+
+
+def test_fit_gib_prints_a_plan_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "llama-70b", "--fit-gib", "40", "--tokens", "1", "--profile", "h200-pcie5", "--json")
+    assert (code, err) == (0, "")
+    document = json.loads(out)
+    plan = from_data(OffloadPlan, document["plan"])
+    assert document["budget_bytes"] == 40 * GIB
+    assert plan.device_bytes_resident + plan.device_bytes_buffers <= 40 * GIB
+    assert plan.backend is Backend.PREFETCH
+    # 127.5 GiB of decoder weights cannot stay resident in 40 GiB: most must be offloaded.
+    assert plan.offloaded_bytes >= preset_spec("llama-70b").nbytes - 40 * GIB
+    chosen = document["chosen"]
+    assert chosen["step_seconds"] >= chosen["limit_seconds"] > 0
+    assert chosen["resident_bytes"] + chosen["buffer_bytes"] == plan.device_bytes_resident + plan.device_bytes_buffers
+    assert len(document["estimate"]["layers"]) == 80
+
+
+def test_fit_gib_text_names_the_choice_and_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-70b", "--fit-gib", "40", "--profile", "h200-pcie5")
+    assert code == 0
+    assert "chosen:  prefetch:" in out
+    assert "limit            = max(" in out
+    assert "[model_fits_on_device]" not in out  # the device is the 40 GiB budget, not the whole H200
+
+
+def test_fit_gib_with_custom_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-8b", "--fit-gib", "8", "--link-gbps", "25", "--tflops", "150", "--json")
+    assert code == 0
+    document = json.loads(out)
+    assert document["profile"]["pinned_h2d_bytes_per_s"] == 25e9
+    assert document["profile"]["bf16_flops_per_s"] == 150e12
+
+
+def test_plan_with_a_profile_prints_its_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-8b", "--group-size", "4", "--prefetch-step", "2", "--profile", "rtx4090", "--tokens", "512")
+    assert code == 0
+    assert "estimate on rtx4090 at 512 tokens per step:" in out
+    assert "predicted step   =" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "--fit-gib", "40"], "--fit-gib needs --profile"),
+        (["plan", "--fit-gib", "40", "--profile", "h200-pcie5", "--group-size", "2"], "drop --group-size"),
+        (["plan", "--fit-gib", "1", "--reserve-gib", "2", "--profile", "h200-pcie5"], "bytes"),
+        (["plan", "--profile", "tpu"], "'tpu'"),
+        (["plan", "--link-gbps", "25"], "--link-gbps and --tflops"),
+        (["plan", "--tokens", "0", "--profile", "h200-pcie5"], "'0'"),
+    ],
+)
+def test_fit_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err

@@ -14,6 +14,9 @@ from offload.pure.decisions import (
     decide_uva,
 )
 from offload.pure.env import ENV_VARIABLES, EnvFlags, EnvSnapshot, Platform, parse_env
+from offload.pure.estimate import LayerEstimate, StepEstimate, Workload, estimate
+from offload.pure.fit import FitCandidate, FitResult, fit
+from offload.pure.fit_render import render_estimate, render_fit
 from offload.pure.plan import (
     PLAN_FORMAT,
     Backend,
@@ -27,7 +30,9 @@ from offload.pure.plan import (
 )
 from offload.pure.planner import make_plan, resolve_backend
 from offload.pure.presets import PRESETS, preset_spec
+from offload.pure.profiles import PROFILES, DeviceProfile, planning_env, profile_by_name, profile_from_numbers
 from offload.pure.render import render_plan
+from offload.pure.revise import revise_plan
 from offload.pure.schedule import PrefetchSchedule, check_schedule, schedule_prefetch
 from offload.pure.spec import COMPUTE_DEVICE, DTYPE_ITEMSIZE, LayerSpec, ModelSpec, ParamSpec, contiguous_stride
 
@@ -38,15 +43,20 @@ __all__ = [
     "BufferPlan",
     "COMPUTE_DEVICE",
     "DTYPE_ITEMSIZE",
+    "DeviceProfile",
     "ENV_VARIABLES",
     "EnvFlags",
     "EnvSnapshot",
+    "FitCandidate",
+    "FitResult",
+    "LayerEstimate",
     "LayerSpec",
     "ModelSpec",
     "OffloadConfig",
     "OffloadPlan",
     "PLAN_FORMAT",
     "PRESETS",
+    "PROFILES",
     "ParamPlan",
     "ParamSpec",
     "PinDecision",
@@ -55,18 +65,28 @@ __all__ = [
     "PlanWarning",
     "Platform",
     "PrefetchSchedule",
+    "StepEstimate",
     "UvaDecision",
     "UvaReason",
     "WarningCode",
+    "Workload",
     "check_schedule",
     "contiguous_stride",
     "decide_pinning",
     "decide_uva",
+    "estimate",
+    "fit",
     "make_plan",
     "parse_env",
+    "planning_env",
     "preset_spec",
+    "profile_by_name",
+    "profile_from_numbers",
+    "render_estimate",
+    "render_fit",
     "render_plan",
     "resolve_backend",
+    "revise_plan",
     "schedule_prefetch",
     "segment_matches",
 ]

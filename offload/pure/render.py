@@ -38,22 +38,29 @@ def _layer_rows(plan: OffloadPlan) -> list[list[str]]:
     by_layer: dict[int, list[ParamPlan]] = {}
     for p in plan.params:
         by_layer.setdefault(p.layer, []).append(p)
-    # Consecutive layers with identical rows collapse into one ("0-2"), so a plan for a
-    # deep model stays readable.
-    runs: list[tuple[int, int, list[str]]] = []
+    # Consecutive layers with identical rows collapse into one ("0-2"), slots listed
+    # together ("prefetch (slots 0, 1)"), so a plan for a deep model stays readable.
+    runs: list[tuple[int, int, tuple[str, ...], set[int]]] = []
     for layer, params in by_layer.items():
         gone = [p for p in params if p.offloaded and p.tied_to is None]
-        kinds = sorted({_placement_text(p) for p in params if p.offloaded})
-        cells = [
+        kinds = sorted({p.placement.value for p in params if p.offloaded})
+        cells = (
             f"{sum(p.offloaded for p in params)}/{len(params)}",
             format_bytes(sum(p.nbytes for p in gone)),
-            ", ".join(kinds) if kinds else "resident",
-        ]
+            *kinds,
+        )
+        slots = {p.slot for p in params if p.slot is not None}
         if runs and runs[-1][2] == cells and runs[-1][1] == layer - 1:
-            runs[-1] = (runs[-1][0], layer, cells)
+            runs[-1] = (runs[-1][0], layer, cells, runs[-1][3] | slots)
         else:
-            runs.append((layer, layer, cells))
-    return [[str(a) if a == b else f"{a}-{b}", *cells] for a, b, cells in runs]
+            runs.append((layer, layer, cells, slots))
+    rows = []
+    for a, b, cells, slots in runs:
+        placement = ", ".join(kind.replace("_", "-") for kind in cells[2:]) or "resident"
+        if slots:
+            placement += f" (slot{'s' if len(slots) > 1 else ''} {', '.join(map(str, sorted(slots)))})"
+        rows.append([str(a) if a == b else f"{a}-{b}", cells[0], cells[1], placement])
+    return rows
 
 
 def _param_rows(plan: OffloadPlan) -> list[list[str]]:

@@ -167,8 +167,8 @@ def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:
         out.append(_w(
             WarningCode.PREFETCH_STALLS,
             f"{run} consecutive layers are offloaded but prefetch_step is {step}: copies for "
-            "those layers cannot all overlap compute, so the step stalls on the link; "
-            f"use prefetch_step >= {run} or offload fewer adjacent layers",
+            "those layers cannot all overlap compute; unless the step is bound by the link "
+            f"anyway, use prefetch_step >= {run} or offload fewer adjacent layers",
         ))
     if len(f.offloaded_layers) <= step:
         out.append(_w(
