@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Protocol
 
 import torch
@@ -34,7 +35,9 @@ class PrefetchTarget(Protocol):
         ...
 
 
-_targets: dict[int, PrefetchTarget] = {}
+# Weak: the model's patched forwards keep an offloader alive; the registry must not keep
+# one alive after its model is gone.
+_targets: weakref.WeakValueDictionary[int, PrefetchTarget] = weakref.WeakValueDictionary()
 _handles = itertools.count(1)
 _lock = threading.Lock()
 

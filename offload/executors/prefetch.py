@@ -83,8 +83,11 @@ class PrefetchOffloader:
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
-        self._done: list[Event | None] = []
-        self._captured: set[int] = set()  # positions whose copy was issued inside a capture
+        # Per position, the copy in flight for its next run: its done event and whether it
+        # was issued inside a CUDA graph capture. A position in `_landed` has its weights
+        # in its slot with nothing to wait for (see join_after_forward).
+        self._pending: dict[int, tuple[Event, bool]] = {}
+        self._landed: set[int] = set()
         self._dropped = 0
         self._copies_issued = 0
         self._bytes_copied = 0
@@ -168,6 +171,28 @@ class PrefetchOffloader:
         if revised is not self._plan:
             log.info("post-processing changed offloaded parameters; plan revised")
         self._plan = plan = revised
+        try:
+            self._allocate_and_start(plan)
+        except BaseException as exc:
+            # Leave the model as wrap_modules left it (weights in host storage), so that
+            # post_init can be retried or restore can run.
+            for p in plan.offloaded_params:
+                param = find_parameter(self._layers[p.layer], p.name)
+                owner = (p.layer, p.name) if (p.layer, p.name) in self._host else p.tied_to
+                host = self._host.get(owner) if owner is not None else None
+                if param is not None and host is not None:
+                    param.data = host
+            self._buffers.clear()
+            self._copies = []
+            self._pending.clear()
+            if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
+                raise
+            raise ExecutionError(f"post_init failed, weights left in host memory: {exc}",
+                                 name="post_init", value=type(exc).__name__) from exc
+        self._state = _State.READY
+
+    def _allocate_and_start(self, plan: OffloadPlan) -> None:
+        """Allocate the static buffers, point parameters at their slots, issue the first copies."""
         for b in plan.buffers:
             dtype = torch_dtype(b.dtype)
             self._buffers[b.key] = {slot: self._rt.device_empty(b.shape, b.stride, dtype) for slot in b.slots}
@@ -189,10 +214,8 @@ class PrefetchOffloader:
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
             self._copies[position_of[p.layer]].append((buffer, self._host[p.tied_to or ref]))
-        self._done = [None] * len(plan.offloaded_layers)
         for position in plan.schedule.initial:
-            self._issue(position, self._rt.record())
-        self._state = _State.READY
+            self._issue(position, self._rt.record(), in_capture=False)
 
     def _resync(self) -> dict[Ref, ParamSpec | None]:
         """Re-read offloaded parameters; re-copy replaced data; report what each is now."""
@@ -239,7 +262,7 @@ class PrefetchOffloader:
 
         return offloaded_forward
 
-    def _issue(self, position: int, after: Event) -> None:
+    def _issue(self, position: int, after: Event, *, in_capture: bool) -> None:
         done: Event = after
         first = True
         for buffer, host in self._copies[position]:
@@ -247,7 +270,8 @@ class PrefetchOffloader:
             first = False
             self._copies_issued += 1
             self._bytes_copied += host.untyped_storage().nbytes()
-        self._done[position] = done
+        self._pending[position] = (done, in_capture)
+        self._landed.discard(position)
 
     def _check_capturable(self) -> None:
         if not self._plan.pin.pin:
@@ -267,20 +291,24 @@ class PrefetchOffloader:
                 f"an offloaded layer ran before post_init() (state {self._state.value})",
                 name="state", value=self._state.value,
             )
-        done = self._done[position]
-        if done is None:
+        capturing = self._rt.is_capturing()
+        if capturing:
+            self._check_capturable()
+        if position in self._landed:
+            self._landed.discard(position)
+            return
+        entry = self._pending.pop(position, None)
+        if entry is None:
             raise ExecutionError(
                 f"offloaded layer {self._plan.offloaded_layers[position]} ran again before its weights "
                 "were copied back: offloaded layers must run in order, every layer once per step",
                 name="position", value=position,
             )
-        self._done[position] = None
-        if self._rt.is_capturing():
-            self._check_capturable()
-            if position not in self._captured:
-                return  # issued before the capture; sync_prev_onload made sure it is done
-            self._captured.discard(position)
-        self._rt.wait(done)
+        done, in_capture = entry
+        if capturing == in_capture:
+            self._rt.wait(done)
+        # Otherwise the event belongs to the other side of a capture boundary and cannot be
+        # waited on: issued before the capture, sync_prev_onload made sure it landed.
 
     def start_after_position(self, position: int) -> None:
         """Issue the copy the schedule names after position's forward (called by the op)."""
@@ -290,9 +318,7 @@ class PrefetchOffloader:
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
-        self._issue(target, self._rt.record())
-        if capturing:
-            self._captured.add(target)
+        self._issue(target, self._rt.record(), in_capture=capturing)
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -309,13 +335,17 @@ class PrefetchOffloader:
 
     def join_after_forward(self) -> None:
         """Inside a capture, after the forward: join every copy issued in it and not yet
-        waited on, so the capture ends with no unjoined stream. Outside a capture there is
-        nothing outstanding of that kind and it returns at once."""
-        for position in sorted(self._captured):
-            done = self._done[position]
-            if done is not None:
-                self._rt.wait(done)
-        self._captured.clear()
+        waited on, so the capture ends with no unjoined stream.
+
+        Those positions then count as landed: a capture executes nothing, so after it the
+        slots hold what they held before it (the next step's first positions, synced by
+        `sync_prev_onload`), and each replay refills them before it ends. Outside a
+        capture nothing of that kind is outstanding and it returns at once.
+        """
+        for position in sorted(p for p, (_, in_capture) in self._pending.items() if in_capture):
+            done, _ = self._pending.pop(position)
+            self._rt.wait(done)
+            self._landed.add(position)
 
     # ---- teardown and counters ------------------------------------------------------
 
@@ -351,8 +381,8 @@ class PrefetchOffloader:
         self._copies = []
         self._buffers.clear()
         self._host.clear()
-        self._done = []
-        self._captured.clear()
+        self._pending.clear()
+        self._landed.clear()
         self._state = _State.RESTORED
         log.info("restored %d parameters", len(restored))
 
