@@ -27,11 +27,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
 from offload.errors import ConfigError, PlanError
+from offload.pure._checks import int_at_least, positive_number
 from offload.pure.plan import OffloadPlan, Placement
 from offload.pure.profiles import DeviceProfile
 from offload.pure.schedule import PrefetchSchedule
@@ -51,18 +51,6 @@ _MAX_PERIOD = 4
 _REL_TOL = 1e-9
 
 
-def _tokens(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{attribute.name} must be an integer >= 1, got {value!r}", name=attribute.name, value=value)
-
-
-def _seconds(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not math.isfinite(value) or value <= 0):
-        raise ConfigError(f"{attribute.name} must be None or a finite number of seconds > 0, got {value!r}",
-                          name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class Workload:
     """What one step processes.
@@ -73,8 +61,10 @@ class Workload:
             when given it replaces the profile's FLOP-based compute time.
     """
 
-    tokens_per_step: int = attrs.field(default=1, validator=_tokens)
-    resident_step_seconds: float | None = attrs.field(default=None, validator=_seconds)
+    tokens_per_step: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
+    resident_step_seconds: float | None = attrs.field(
+        default=None, validator=positive_number(ConfigError, optional=True)
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from offload.pure._fit_candidates import describe
 from offload.pure.config import OffloadConfig
 from offload.pure.estimate import LayerEstimate, StepEstimate
 from offload.pure.fit import FitCandidate, FitResult
@@ -36,14 +37,7 @@ def _rate(bytes_per_s: float) -> str:
 
 def describe_config(config: OffloadConfig) -> str:
     """A one-line description of a configuration, with its filter."""
-    if config.backend == "prefetch":
-        text = (f"prefetch: group_size {config.group_size}, num_in_group {config.num_in_group}, "
-                f"prefetch_step {config.prefetch_step}")
-    elif config.backend == "uva":
-        text = f"uva: uva_max_bytes {config.uva_max_bytes} ({format_bytes(config.uva_max_bytes)})"
-    else:
-        text = f"backend {config.backend}"
-    return text + (f", filter {', '.join(config.param_filter)}" if config.param_filter else "")
+    return describe(config)
 
 
 def _layer_cells(layer: LayerEstimate) -> list[str]:
@@ -66,7 +60,7 @@ def render_estimate(step: StepEstimate) -> str:
     rows.append(["total", _ms(step.compute_seconds), _ms(step.copy_seconds), _ms(step.stall_seconds),
                  _ms(step.uva_read_seconds), _ms(step.on_demand_seconds), _ms(step.step_seconds),
                  format_bytes(step.offloaded_bytes_per_step)])
-    tokens = f"{step.tokens_per_step} token{'s' if step.tokens_per_step != 1 else ''} per step"
+    tokens = f"{_count(step.tokens_per_step, 'token')} per step"
     source = "compute from FLOPs and weight reads" if step.compute_from == "flops" else \
         "compute scaled from a measured resident step time"
     lines = [
@@ -105,7 +99,7 @@ def render_fit(result: FitResult, *, plan: bool = True, estimate: bool = True) -
     lines = [
         f"fit for a device budget of {format_bytes(result.budget_bytes)} ({result.budget_bytes} bytes) "
         f"on {result.profile.name} ({result.profile.device_name}), "
-        f"{result.workload.tokens_per_step} token{'s' if result.workload.tokens_per_step != 1 else ''} per step",
+        f"{_count(result.workload.tokens_per_step, 'token')} per step",
         f"chosen:  {describe_config(c.config)}",
         f"device:  resident {format_bytes(c.resident_bytes)} + buffers {format_bytes(c.buffer_bytes)} + "
         f"on-demand {format_bytes(c.transient_bytes)} + reserve {format_bytes(c.reserve_bytes)} = "

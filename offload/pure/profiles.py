@@ -13,13 +13,12 @@ it scales the datasheet peak by the fractions below and says so in its comment.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 
 from offload.errors import ConfigError
+from offload.pure._checks import check_positive_number, fraction, int_at_least, is_str, positive_number
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.units import GIB
 
@@ -55,39 +54,6 @@ WEIGHT_READ_ACHIEVED = 2.03 / 4.8
 GEMM_ACHIEVED = 0.7
 
 
-def _not_positive(value: object) -> bool:
-    """True unless `value` is a finite int or float > 0 (bools are not numbers here)."""
-    return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
-
-
-def _positive(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if _not_positive(value):
-        raise ConfigError(f"{attribute.name} must be a finite number > 0, got {value!r}",
-                          name=attribute.name, value=value)
-
-
-def _optional_positive(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None:
-        _positive(instance, attribute, value)
-
-
-def _fraction(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{attribute.name} must be a fraction in (0, 1], got {value!r}",
-                          name=attribute.name, value=value)
-
-
-def _bytes(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{attribute.name} must be an integer >= 0 (bytes), got {value!r}",
-                          name=attribute.name, value=value)
-
-
-def _text(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, str):
-        raise ConfigError(f"{attribute.name} must be a string, got {value!r}", name=attribute.name, value=value)
-
-
 @attrs.frozen(kw_only=True)
 class DeviceProfile:
     """How fast one accelerator and its host link are (achieved rates, not peaks).
@@ -108,16 +74,18 @@ class DeviceProfile:
         source: where the numbers come from, for people.
     """
 
-    name: str = attrs.field(validator=_text)
-    device_name: str = attrs.field(validator=_text)
-    pinned_h2d_bytes_per_s: float = attrs.field(validator=_positive)
-    pageable_h2d_bytes_per_s: float = attrs.field(validator=_positive)
-    zero_copy_fraction: float = attrs.field(validator=_fraction)
-    bf16_flops_per_s: float = attrs.field(validator=_positive)
-    weight_read_bytes_per_s: float | None = attrs.field(default=None, validator=_optional_positive)
-    device_memory_bytes: int = attrs.field(default=0, validator=_bytes)
+    name: str = attrs.field(validator=is_str(ConfigError))
+    device_name: str = attrs.field(validator=is_str(ConfigError))
+    pinned_h2d_bytes_per_s: float = attrs.field(validator=positive_number(ConfigError))
+    pageable_h2d_bytes_per_s: float = attrs.field(validator=positive_number(ConfigError))
+    zero_copy_fraction: float = attrs.field(validator=fraction(ConfigError))
+    bf16_flops_per_s: float = attrs.field(validator=positive_number(ConfigError))
+    weight_read_bytes_per_s: float | None = attrs.field(
+        default=None, validator=positive_number(ConfigError, optional=True)
+    )
+    device_memory_bytes: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
     coherent_unified_memory: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-    source: str = attrs.field(default="", validator=_text)
+    source: str = attrs.field(default="", validator=is_str(ConfigError))
 
     @property
     def zero_copy_bytes_per_s(self) -> float:
@@ -245,8 +213,7 @@ def profile_from_numbers(
                           f"{missing} is missing", name=missing, value=None)
     for arg, value in (("link_gbps", link_gbps), ("tflops", tflops), ("pageable_gbps", pageable_gbps),
                        ("weight_read_gbps", weight_read_gbps), ("device_gib", device_gib)):
-        if value is not None and _not_positive(value):
-            raise ConfigError(f"{arg} must be a finite number > 0, got {value!r}", name=arg, value=value)
+        check_positive_number(arg, value, ConfigError, optional=True)
     pinned = link_gbps * GB if link_gbps is not None else base.pinned_h2d_bytes_per_s if base else 0.0
     if pageable_gbps is not None:
         pageable = pageable_gbps * GB

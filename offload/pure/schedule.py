@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from offload.errors import PlanError
-from offload.pure._checks import int_at_least, is_int
+from offload.pure._checks import check_int_at_least, int_at_least
 
 __all__ = ["PrefetchSchedule", "check_schedule", "schedule_prefetch"]
 
@@ -100,12 +100,8 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedul
     Raises:
         PlanError: a negative count or a step below 1.
     """
-    if not is_int(num_offloaded) or num_offloaded < 0:
-        raise PlanError(f"num_offloaded must be an integer >= 0, got {num_offloaded!r}",
-                        name="num_offloaded", value=num_offloaded)
-    if not is_int(prefetch_step) or prefetch_step < 1:
-        raise PlanError(f"prefetch_step must be an integer >= 1, got {prefetch_step!r}",
-                        name="prefetch_step", value=prefetch_step)
+    check_int_at_least("num_offloaded", num_offloaded, 0, PlanError)
+    check_int_at_least("prefetch_step", prefetch_step, 1, PlanError)
     n = num_offloaded
     s = min(prefetch_step, n)
     slots = tuple(i % s for i in range(n)) if s else ()

@@ -1,0 +1,232 @@
+"""The model as `fit`'s search sees it: a per-layer table, and the layer sets it offloads.
+
+`make_plan` takes milliseconds; the search looks at thousands of configurations. It reads
+them off a `Table` instead, built once per call, which reproduces what the planner would
+select (eligible storages, ties, buffer keys) and the byte totals it would report (tests
+hold the two equal). A `LayerSet` is what one (group size, number in group) pair
+offloads, with a lower bound on its step and on its device bytes from prefix sums; an
+`Expanded` set spells out its schedule positions and buffer keys to cost each depth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+
+import attrs
+
+from offload.pure.config import segment_matches
+from offload.pure.decisions import decide_pinning, decide_uva
+from offload.pure.env import EnvSnapshot
+from offload.pure.estimate import Workload, layer_compute_seconds
+from offload.pure.profiles import DeviceProfile
+from offload.pure.select import is_on_compute_device
+from offload.pure.spec import ModelSpec, ParamSpec
+
+__all__ = ["Cross", "Expanded", "Key", "LayerSet", "Table", "buffer_bytes", "build_table", "expand", "layer_sets"]
+
+#: Above this many kinds of layer (distinct buffer-key signatures), a layer set's fewest
+#: device bytes leaves the buffers out rather than counting them exactly.
+_MAX_EXACT_SIGNATURES = 16
+#: A prefetch buffer key, as `make_plan` keys buffers: (name, shape, stride, dtype).
+Key = tuple[str, tuple[int, ...], tuple[int, ...], str]
+
+
+@attrs.frozen(kw_only=True)
+class Cross:
+    """A tied storage of several layers that can be offloaded: only when all of them are."""
+
+    layers: frozenset[int]
+    host_bytes: int
+    members: tuple[tuple[int, Key, int], ...]  # (layer, buffer key, bytes copied for it)
+
+
+@attrs.frozen(kw_only=True)
+class LayerSet:
+    """The layers one (group size, number in group) pair offloads, and what bounds it."""
+
+    group_size: int
+    num_in_group: int
+    intervals: tuple[tuple[int, int], ...]  # [start, stop) runs of wanted layers
+    cross: tuple[Cross, ...]  # tied storages offloaded with it
+    host_bytes: int
+    bound_seconds: float  # max(resident compute, copy bytes / copy rate): no depth beats it
+    min_device_bytes: int  # a lower bound over depths (exact for a few layer kinds)
+
+
+@attrs.frozen(kw_only=True)
+class Table:
+    """The model, per layer, as the search needs it (what `make_plan` would select)."""
+
+    compute: tuple[float, ...]  # resident compute per layer, seconds
+    resident_bytes: int  # weights on the compute device with nothing offloaded
+    layer_bytes: tuple[int, ...]  # per layer: offloadable storages confined to it
+    layer_has: tuple[bool, ...]  # per layer: it has one
+    layer_keys: tuple[tuple[tuple[Key, int], ...], ...]  # their buffer keys and slot bytes
+    cross: tuple[Cross, ...]
+    uva_groups: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, ((layer, bytes read), ...))
+    pinned: bool
+    uva_enabled: bool
+    profile: DeviceProfile
+    workload: Workload
+    segments: tuple[str, ...]
+    reserve: int
+
+    @property
+    def copy_rate(self) -> float:
+        """Host-to-device copy rate, bytes/s, pinned or pageable as the plan would pin."""
+        return self.profile.h2d_bytes_per_s(pinned=self.pinned)
+
+
+@attrs.frozen(kw_only=True)
+class Expanded:
+    """A layer set spelled out: its schedule positions, what each copies, its buffer keys."""
+
+    layer_set: LayerSet
+    positions: tuple[int, ...]  # offloaded layers, in order
+    copy_bytes: tuple[int, ...]  # per layer of the model
+    kinds: tuple[tuple[int, ...], ...]  # position indices of each kind (same buffer keys)
+    keys: tuple[tuple[int, tuple[int, ...]], ...]  # per buffer key: (slot bytes, kinds using it)
+
+
+def _key(param: ParamSpec) -> Key:
+    return (param.name, param.shape, param.stride, param.dtype)
+
+
+def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Workload,
+                segments: tuple[str, ...], reserve: int) -> Table:
+    """Group storages and decide eligibility exactly as `make_plan` does."""
+    platform = env.platform
+    pin = decide_pinning(env)
+    groups: list[list[tuple[int, ParamSpec]]] = []
+    by_key: dict[str, list[tuple[int, ParamSpec]]] = {}
+    num = len(spec.layers)
+    numels, weight = [0] * num, [0] * num
+    for layer in spec.layers:
+        for param in layer.params:
+            numels[layer.index] += math.prod(param.shape)
+            if param.storage_key is None:
+                groups.append([(layer.index, param)])
+            elif param.storage_key in by_key:
+                by_key[param.storage_key].append((layer.index, param))
+            else:
+                groups.append(by_key.setdefault(param.storage_key, [(layer.index, param)]))
+    resident = 0
+    layer_bytes, layer_has = [0] * num, [False] * num
+    keys: list[list[tuple[Key, int]]] = [[] for _ in range(num)]
+    cross: list[Cross] = []
+    uva: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    for group in groups:
+        first_layer, first = group[0]
+        # A member in the first member's layer shares its buffer and is moved once.
+        moved = [(i, p) for n, (i, p) in enumerate(group) if n == 0 or i != first_layer]
+        for i, p in moved:
+            weight[i] += p.nbytes
+        if is_on_compute_device(first.device, platform):
+            resident += first.nbytes
+        if not all(is_on_compute_device(p.device, platform)
+                   and (not segments or any(segment_matches(s, p.name) for s in segments)) for _, p in group):
+            continue  # never offloaded: ineligible, or a tie only partly eligible
+        uva.append((first.nbytes, tuple((i, p.nbytes) for i, p in moved)))
+        if len(moved) == 1:
+            layer_bytes[first_layer] += first.nbytes
+            layer_has[first_layer] = True
+            keys[first_layer].append((_key(first), first.nbytes))
+        else:
+            cross.append(Cross(layers=frozenset(i for i, _ in group), host_bytes=first.nbytes,
+                               members=tuple((i, _key(p), p.nbytes) for i, p in moved)))
+    return Table(
+        compute=layer_compute_seconds(numels, weight, profile, workload), resident_bytes=resident,
+        layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
+        layer_keys=tuple(tuple(sorted(set(k))) for k in keys), cross=tuple(cross), uva_groups=tuple(uva),
+        pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
+        segments=segments, reserve=reserve,
+    )
+
+
+def _prefix_sums(values: Iterable[int]) -> list[int]:
+    """``[0, v0, v0 + v1, ...]``: the sum over layers [a, b) is ``sums[b] - sums[a]``."""
+    return list(itertools.accumulate(values, initial=0))
+
+
+def layer_sets(table: Table) -> list[LayerSet]:
+    """Every distinct non-empty set of layers a (group size, number in group) pair offloads."""
+    num = len(table.compute)
+    prefix_bytes = _prefix_sums(table.layer_bytes)
+    prefix_has = _prefix_sums(table.layer_has)
+    signatures: dict[tuple[tuple[Key, int], ...], list[int]] = {}
+    for layer, keys in enumerate(table.layer_keys):
+        if keys:
+            signatures.setdefault(keys, []).append(layer)
+    exact = len(signatures) <= _MAX_EXACT_SIGNATURES
+    prefix_sig = ({sig: _prefix_sums(i in set(ls) for i in range(num)) for sig, ls in signatures.items()}
+                  if exact else {})
+    compute = sum(table.compute)
+    rate = table.copy_rate
+    having = [i for i, has in enumerate(table.layer_has) if has]
+    everywhere = len(having) == num
+    seen: set[tuple[tuple[object, ...], tuple[Cross, ...]]] = set()
+    out: list[LayerSet] = []
+    for g in range(1, num + 1):
+        for k in range(1, g + 1):
+            runs: list[tuple[int, int]] = []
+            for start in range(g - k, num, g):
+                stop = min(start + k, num)
+                if runs and runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], stop)
+                else:
+                    runs.append((start, stop))
+            intervals = tuple(runs)
+            cross = tuple(c for c in table.cross if all(i % g >= g - k for i in c.layers))
+            # Pairs that offload the same storages give the same plan: keep the first. When
+            # some layers have nothing to offload, compare the layers that do.
+            same = intervals if everywhere else tuple(i for i in having if i % g >= g - k)
+            if (same, cross) in seen:
+                continue
+            seen.add((same, cross))
+            if not cross and not any(prefix_has[b] - prefix_has[a] for a, b in intervals):
+                continue  # offloads nothing: the same as backend none
+            host = sum(prefix_bytes[b] - prefix_bytes[a] for a, b in intervals)
+            copied = host + sum(m[2] for c in cross for m in c.members)
+            host += sum(c.host_bytes for c in cross)
+            # At least one slot per key present; without an exact count, no buffers at all.
+            present = {key: nbytes for sig, ps in prefix_sig.items() if any(ps[b] - ps[a] for a, b in intervals)
+                       for key, nbytes in sig}
+            buffers = sum(present.values())
+            out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, cross=cross, host_bytes=host,
+                                bound_seconds=max(compute, copied / rate),
+                                min_device_bytes=table.resident_bytes - host + buffers + table.reserve))
+    return out
+
+
+def expand(table: Table, layer_set: LayerSet) -> Expanded:
+    """`layer_set`'s schedule positions, copy bytes per layer, kinds of layer and buffer keys."""
+    copy = list(table.layer_bytes)
+    keys = {i: list(table.layer_keys[i]) for a, b in layer_set.intervals for i in range(a, b) if table.layer_has[i]}
+    for cross in layer_set.cross:
+        for layer, key, nbytes in cross.members:
+            copy[layer] += nbytes
+            keys.setdefault(layer, []).append((key, nbytes))
+    wanted = {i for a, b in layer_set.intervals for i in range(a, b)}
+    positions = tuple(sorted(keys))
+    crossed = {layer for cross in layer_set.cross for layer, _, _ in cross.members}
+    kinds: dict[tuple[tuple[Key, int], ...], list[int]] = {}
+    for index, layer in enumerate(positions):
+        signature = tuple(sorted(keys[layer])) if layer in crossed else table.layer_keys[layer]
+        kinds.setdefault(signature, []).append(index)
+    users: dict[Key, tuple[int, list[int]]] = {}
+    for number, signature in enumerate(kinds):
+        for key, nbytes in signature:
+            users.setdefault(key, (nbytes, []))[1].append(number)
+    return Expanded(layer_set=layer_set, positions=positions,
+                    copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(copy)),
+                    kinds=tuple(tuple(v) for v in kinds.values()),
+                    keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()))
+
+
+def buffer_bytes(expanded: Expanded, depth: int) -> int:
+    """Static buffer bytes at `depth`: each key x the slots its positions use (``i mod depth``)."""
+    slots = [{index % depth for index in kind} for kind in expanded.kinds]
+    return sum(nbytes * len(slots[used[0]] if len(used) == 1 else set().union(*(slots[k] for k in used)))
+               for nbytes, used in expanded.keys)
