@@ -41,6 +41,7 @@ from offload.executors.common import (
     unpatch_forward,
 )
 from offload.protocols import Event, Runtime
+from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
@@ -204,7 +205,7 @@ class PrefetchOffloader:
             if param is None or p.slot is None:
                 raise ExecutionError(f"layer {p.layer} parameter {p.name!r} vanished during post_init",
                                      name=p.name, value=p.layer)
-            if p.tied_to is not None and p.tied_to[0] == p.layer:
+            if not owns_buffer(p) and p.tied_to is not None:
                 primary = find_parameter(self._layers[p.layer], p.tied_to[1])
                 if primary is None:
                     raise ExecutionError(f"tied parameter {p.tied_to} vanished during post_init",

@@ -31,15 +31,22 @@ def prefetch_buffers(params: Iterable[ParamPlan]) -> tuple[BufferPlan, ...]:
     """
     slots: dict[BufferKey, set[int]] = {}
     first: dict[BufferKey, ParamSpec] = {}
+    prefetch = Placement.PREFETCH
     for p in params:
-        if p.placement is not Placement.PREFETCH or p.slot is None or not owns_buffer(p):
+        slot = p.slot
+        if p.placement is not prefetch or slot is None:
             continue
-        key = p.param.buffer_key
-        if key in slots:
-            slots[key].add(p.slot)
+        tie = p.tied_to
+        if tie is not None and tie[0] == p.layer:  # reads the buffer of what it is tied to
+            continue
+        spec = p.param
+        key = spec.buffer_key
+        used = slots.get(key)
+        if used is None:
+            slots[key] = {slot}
+            first[key] = spec
         else:
-            slots[key] = {p.slot}
-            first[key] = p.param
+            used.add(slot)
     return tuple(
         BufferPlan(
             name=spec.name,

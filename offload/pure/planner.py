@@ -78,11 +78,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         selection = Selection(offloaded=(), split_ties=())
         placement = Placement.RESIDENT
 
-    offloaded: dict[Ref, Ref | None] = {}  # each offloaded (layer, name) -> primary if tied
-    for group in selection.offloaded:
-        primary = group_primary(group)
-        for i, (index, param) in enumerate(group):
-            offloaded[(index, param.name)] = primary if i else None
+    offloaded: set[Ref] = {(index, param.name) for group in selection.offloaded for index, param in group}
     tied_to: dict[Ref, Ref] = {
         (index, param.name): group_primary(group)
         for group in groups
@@ -90,7 +86,11 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         for index, param in group[1:]
     }
 
-    offloaded_layers = tuple(sorted({index for index, _ in offloaded})) if backend is Backend.PREFETCH else ()
+    offloaded_layers = (
+        tuple(sorted({index for group in selection.offloaded for index, _ in group}))
+        if backend is Backend.PREFETCH
+        else ()
+    )
     schedule = schedule_prefetch(len(offloaded_layers), config.prefetch_step)
     check_schedule(schedule)
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
@@ -120,7 +120,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
                 resident_bytes += param.nbytes
 
     buffers = prefetch_buffers(prefetched)
-    offloaded_bytes = sum(group_nbytes(g) for g in selection.offloaded)
+    offloaded_bytes = sum(group_nbytes(g) for g in selection.offloaded)  # each storage once
     device_bytes_buffers = sum(b.nbytes for b in buffers)
     facts = PlanFacts(
         spec=spec,
