@@ -27,7 +27,14 @@ from offload.pure.fit import fit
 from offload.pure.fit_render import render_estimate, render_fit
 from offload.pure.planner import make_plan
 from offload.pure.presets import PRESETS, preset_spec
-from offload.pure.profiles import PROFILES, DeviceProfile, planning_env, profile_by_name, profile_from_numbers
+from offload.pure.profiles import (
+    PROFILES,
+    DeviceProfile,
+    planning_env,
+    profile_by_name,
+    profile_for_device,
+    profile_from_numbers,
+)
 from offload.pure.render import render_plan, render_table
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
@@ -232,6 +239,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config, is_default = _config(args)
     spec, origin = _source(args.source)
     env = _planning_env(args)
+    matched = ""
+    if profile is None and env.platform.has_cuda:
+        profile = profile_for_device(env.platform.device_name)
+        matched = " (matched this device)" if profile is not None else ""
     if profile is not None:
         env = planning_env(env, profile)
     plan = make_plan(spec, config, env)
@@ -254,7 +265,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(render_plan(plan, per_param=args.params))
     if profile is not None:
         print()
-        print(f"estimate on {profile.name} at {args.tokens} tokens per step:")
+        print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")
         print(render_estimate(estimate(plan, profile, Workload(tokens_per_step=args.tokens))))
     return 0
 

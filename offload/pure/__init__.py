@@ -30,7 +30,14 @@ from offload.pure.plan import (
 )
 from offload.pure.planner import make_plan, resolve_backend
 from offload.pure.presets import PRESETS, preset_spec
-from offload.pure.profiles import PROFILES, DeviceProfile, planning_env, profile_by_name, profile_from_numbers
+from offload.pure.profiles import (
+    PROFILES,
+    DeviceProfile,
+    planning_env,
+    profile_by_name,
+    profile_for_device,
+    profile_from_numbers,
+)
 from offload.pure.render import render_plan
 from offload.pure.revise import revise_plan
 from offload.pure.schedule import PrefetchSchedule, check_schedule, schedule_prefetch
@@ -81,6 +88,7 @@ __all__ = [
     "planning_env",
     "preset_spec",
     "profile_by_name",
+    "profile_for_device",
     "profile_from_numbers",
     "render_estimate",
     "render_fit",

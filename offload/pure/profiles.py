@@ -29,6 +29,7 @@ __all__ = [
     "DeviceProfile",
     "planning_env",
     "profile_by_name",
+    "profile_for_device",
     "profile_from_numbers",
 ]
 
@@ -160,6 +161,15 @@ PROFILES: Mapping[str, DeviceProfile] = {
                      tflops=989.0, memory_tbps=4.0, memory_gb=96, coherent=True,
                      source="GH200 datasheet; C2C rate as measured in a published study; pageable rate assumed"),
 }
+
+
+def profile_for_device(device_name: str) -> DeviceProfile | None:
+    """The built-in profile whose device name is `device_name` (as torch reports it, any
+    case, surrounding space ignored), or None: how `offload plan` finds the profile of
+    the machine it runs on."""
+    wanted = device_name.strip().lower()
+    matches = [p for p in PROFILES.values() if p.device_name.lower() == wanted]
+    return matches[0] if matches else None
 
 
 def profile_by_name(name: str) -> DeviceProfile:

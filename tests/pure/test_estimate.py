@@ -25,6 +25,7 @@ from offload.pure.profiles import (
     DeviceProfile,
     planning_env,
     profile_by_name,
+    profile_for_device,
     profile_from_numbers,
 )
 from tests.pure.strategies import model_specs
@@ -313,3 +314,15 @@ def test_rendering_collapses_identical_layers_and_shows_the_arithmetic() -> None
     assert ["0-2", "100.000", "0.000", "0.000", "0.000", "0.000", "100.000", "0", "B"] in rows
     assert ["total", "300.000", "0.000", "0.000", "0.000", "0.000", "300.000", "0", "B"] in rows
     assert "limit            = max(300.000 ms, 0 s) = 300.000 ms" in text
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_profile_for_device_finds_each_preset_by_its_device_name(name: str) -> None:
+    profile = PROFILES[name]
+    assert profile_for_device(profile.device_name) is profile
+    assert profile_for_device(f"  {profile.device_name.upper()} ") is profile
+
+
+def test_profile_for_device_without_a_match() -> None:
+    assert profile_for_device("cpu") is None
+    assert profile_for_device("planned CUDA device") is None
