@@ -26,12 +26,12 @@ __all__ = ["PrefetchTarget", "register", "start_prefetch", "unregister", "wait_p
 class PrefetchTarget(Protocol):
     """What the ops call back into: the prefetch executor."""
 
-    def wait_position(self, position: int) -> None:
-        """Make the compute stream wait for position's copy."""
+    def wait_layer(self, layer: int) -> None:
+        """Make the compute stream wait for the copy of the layer's weights."""
         ...
 
-    def start_after_position(self, position: int) -> None:
-        """Issue the copy the schedule names after position's forward."""
+    def start_after_layer(self, layer: int) -> None:
+        """Issue the copy the schedule names after the layer's forward."""
         ...
 
 
@@ -69,22 +69,22 @@ def _target(handle: int) -> PrefetchTarget:
 
 
 @torch.library.custom_op("offload::wait_prefetch", mutates_args=("activation",))
-def wait_prefetch(activation: torch.Tensor, handle: int, position: int) -> None:
+def wait_prefetch(activation: torch.Tensor, handle: int, layer: int) -> None:
     """Before an offloaded layer runs: wait until its weights are in their buffers."""
-    _target(handle).wait_position(position)
+    _target(handle).wait_layer(layer)
 
 
 @wait_prefetch.register_fake
-def _wait_prefetch_fake(activation: torch.Tensor, handle: int, position: int) -> None:
+def _wait_prefetch_fake(activation: torch.Tensor, handle: int, layer: int) -> None:
     return None
 
 
 @torch.library.custom_op("offload::start_prefetch", mutates_args=("activation",))
-def start_prefetch(activation: torch.Tensor, handle: int, position: int) -> None:
+def start_prefetch(activation: torch.Tensor, handle: int, layer: int) -> None:
     """After an offloaded layer ran: issue the copy the schedule names next."""
-    _target(handle).start_after_position(position)
+    _target(handle).start_after_layer(layer)
 
 
 @start_prefetch.register_fake
-def _start_prefetch_fake(activation: torch.Tensor, handle: int, position: int) -> None:
+def _start_prefetch_fake(activation: torch.Tensor, handle: int, layer: int) -> None:
     return None

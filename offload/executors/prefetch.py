@@ -28,7 +28,7 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from offload.describe import describe_tensor
+from offload.describe import describe_tensor, storage_key
 from offload.errors import ExecutionError, OffloadError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
@@ -89,6 +89,7 @@ class PrefetchOffloader:
         # in its slot with nothing to wait for (see join_after_forward).
         self._pending: dict[int, tuple[Event, bool]] = {}
         self._landed: set[int] = set()
+        self._position_of: dict[int, int] = {}  # offloaded layer -> schedule position (post_init)
         self._dropped = 0
         self._copies_issued = 0
         self._bytes_copied = 0
@@ -145,8 +146,10 @@ class PrefetchOffloader:
                                  name="wrap_modules", value=type(exc).__name__) from exc
         self._layers = layers
         self._handle = ops.register(self)
-        for position, index in enumerate(self._plan.offloaded_layers):
-            self._patched[index] = patch_forward(layers[index], functools.partial(self._wrap_forward, position))
+        # Hooks know their layer, not their schedule position: post_init may revise the
+        # plan (a layer whose offloaded parameters were all deleted leaves the schedule).
+        for index in self._plan.offloaded_layers:
+            self._patched[index] = patch_forward(layers[index], functools.partial(self._wrap_forward, index))
         self._state = _State.WRAPPED
         log.info("offloaded %d parameters of %d layers to host memory (%s)", len(self._origin),
                  len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable")
@@ -198,6 +201,7 @@ class PrefetchOffloader:
             dtype = torch_dtype(b.dtype)
             self._buffers[b.key] = {slot: self._rt.device_empty(b.shape, b.stride, dtype) for slot in b.slots}
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
+        self._position_of = position_of
         self._copies = [[] for _ in plan.offloaded_layers]
         for p in plan.offloaded_params:
             ref = (p.layer, p.name)
@@ -231,7 +235,7 @@ class PrefetchOffloader:
                 log.info("layer %d parameter %r was deleted by post-processing; dropped", p.layer, p.name)
                 continue
             expected = self._host.get(p.tied_to or ref)
-            if expected is None or param.data is not expected:
+            if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
                 # Replaced (or its tie was broken): its data gets its own host copy.
                 self._host[ref] = self._rt.host_copy(param.data, pin=self._plan.pin.pin)
                 param.data = self._host[ref]
@@ -242,23 +246,23 @@ class PrefetchOffloader:
 
     # ---- the forward path -----------------------------------------------------------
 
-    def _wrap_forward(self, position: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_forward(self, layer: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         handle = self._handle
 
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
             activation = first_float_tensor((*args, *kwargs.values()))
             if activation is None:
-                self.wait_position(position)
+                self.wait_layer(layer)
             else:
-                ops.wait_prefetch(activation, handle, position)
+                ops.wait_prefetch(activation, handle, layer)
             out = forward(*args, **kwargs)
             produced = first_float_tensor((out,))
             if produced is None:
                 produced = activation
             if produced is None:
-                self.start_after_position(position)
+                self.start_after_layer(layer)
             else:
-                ops.start_prefetch(produced, handle, position)
+                ops.start_prefetch(produced, handle, layer)
             return out
 
         return offloaded_forward
@@ -285,13 +289,20 @@ class PrefetchOffloader:
                 value=False,
             )
 
-    def wait_position(self, position: int) -> None:
-        """Make the compute stream wait for position's copy (called by the custom op)."""
+    def _position(self, layer: int) -> int | None:
         if self._state is not _State.READY:
             raise ExecutionError(
                 f"an offloaded layer ran before post_init() (state {self._state.value})",
                 name="state", value=self._state.value,
             )
+        return self._position_of.get(layer)
+
+    def wait_layer(self, layer: int) -> None:
+        """Before `layer` runs: make the compute stream wait for its weights' copy (called
+        by the custom op). Nothing to do for a layer the revised plan no longer offloads."""
+        position = self._position(layer)
+        if position is None:
+            return
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
@@ -311,8 +322,11 @@ class PrefetchOffloader:
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
 
-    def start_after_position(self, position: int) -> None:
-        """Issue the copy the schedule names after position's forward (called by the op)."""
+    def start_after_layer(self, layer: int) -> None:
+        """After `layer` ran: issue the copy the schedule names next (called by the op)."""
+        position = self._position(layer)
+        if position is None:
+            return
         target = self._plan.schedule.next_after[position]
         if target is None:
             return
