@@ -1,0 +1,22 @@
+"""Run the tests' tiny torch models on one CPU thread.
+
+The test models are a few kilobytes; on a loaded machine with few cores, OpenMP worker
+threads waiting on each other turn each microsecond op into ten milliseconds. One thread
+keeps the suite fast and changes no result (every comparison is against a resident copy
+run in the same process, on the same thread count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_cpu_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

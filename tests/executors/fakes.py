@@ -1,0 +1,201 @@
+"""A recording fake `Runtime` for the executor tests (a fake, not a mock: it really runs).
+
+`FakeRuntime` wraps `CpuRuntime`. It logs every effect the executor asks for, in order,
+together with the reads that `ProbeBlock` layers report, so a test can check the order of
+copies, events, waits and compute. Knobs:
+
+- ``fail_host_copy_at=k``: the k-th `host_copy` (counted from 0) raises `InjectedFailure`;
+  ``fail_device_empty_at=k`` likewise for `device_empty`.
+- ``defer=True``: copies are queued and done only when the compute side waits for them
+  (or on `synchronize`), as late as a real copy stream may finish them. A layer that read
+  its buffer without waiting would then read stale data, and parity would fail.
+- ``capturing``: what `is_capturing` answers; toggle it to play a CUDA graph capture.
+- `host_copy` accepts ``pin=True`` (it records the request) and copies without pinning,
+  so plans made for a CUDA-like platform run here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TypeVar, final
+
+import attrs
+import torch
+
+from offload.runtime.cpu import CpuRuntime
+
+__all__ = [
+    "Copy",
+    "Entry",
+    "FakeEvent",
+    "FakeRuntime",
+    "HostCopy",
+    "InjectedFailure",
+    "Read",
+    "Record",
+    "Sync",
+    "Wait",
+]
+
+
+class InjectedFailure(RuntimeError):
+    """The failure `FakeRuntime` raises on purpose."""
+
+
+@attrs.frozen
+class FakeEvent:
+    """An event of the fake runtime; ``number`` orders all events it made."""
+
+    number: int
+    capturing: bool
+
+
+@attrs.frozen
+class HostCopy:
+    """`host_copy` was asked for a tensor of `shape`, with this `pin` argument."""
+
+    pin: bool
+    shape: tuple[int, ...]
+
+
+@attrs.frozen
+class Record:
+    """`record`: an event on the compute stream after everything before it."""
+
+    event: FakeEvent
+
+
+@attrs.frozen
+class Copy:
+    """`copy_after`: ``dst`` (its data pointer) gets ``src`` on the copy stream after
+    ``after`` (None: after whatever the copy stream did before); ``done`` follows it."""
+
+    dst: int
+    nbytes: int
+    after: FakeEvent | None
+    done: FakeEvent
+    capturing: bool
+
+
+@attrs.frozen
+class Wait:
+    """`wait`: the compute stream waits for ``event``."""
+
+    event: FakeEvent
+    capturing: bool
+
+
+@attrs.frozen
+class Sync:
+    """`synchronize`: everything issued so far is done."""
+
+
+@attrs.frozen
+class Read:
+    """A `ProbeBlock` computed with the parameter ``name`` whose data is at ``ptr``."""
+
+    name: str
+    ptr: int
+
+
+Entry = HostCopy | Record | Copy | Wait | Sync | Read
+E = TypeVar("E", HostCopy, Record, Copy, Wait, Sync, Read)
+
+
+@final
+class FakeRuntime:
+    """A `Runtime` on the CPU that logs every effect (see the module docstring)."""
+
+    def __init__(
+        self, *, fail_host_copy_at: int | None = None, fail_device_empty_at: int | None = None, defer: bool = False
+    ) -> None:
+        self._cpu = CpuRuntime()
+        self._numbers = itertools.count()
+        self._fail_at = fail_host_copy_at
+        self._fail_empty_at = fail_device_empty_at
+        self.device_empties = 0
+        self._defer = defer
+        self._queue: list[tuple[FakeEvent, torch.Tensor, torch.Tensor]] = []
+        self.log: list[Entry] = []
+        self.capturing = False
+        self.host_copies = 0
+
+    @property
+    def device(self) -> torch.device:
+        """The CPU."""
+        return torch.device("cpu")
+
+    def _event(self) -> FakeEvent:
+        return FakeEvent(next(self._numbers), self.capturing)
+
+    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        """Record the request; fail if told to; copy (never pinned: there is no CUDA)."""
+        index = self.host_copies
+        self.host_copies += 1
+        self.log.append(HostCopy(pin=pin, shape=tuple(tensor.shape)))
+        if index == self._fail_at:
+            raise InjectedFailure(f"injected host_copy failure #{index}")
+        return self._cpu.host_copy(tensor, pin=False)
+
+    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """As `CpuRuntime`; fail if told to."""
+        index = self.device_empties
+        self.device_empties += 1
+        if index == self._fail_empty_at:
+            raise InjectedFailure(f"injected device_empty failure #{index}")
+        return self._cpu.device_empty(shape, stride, dtype)
+
+    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """As `CpuRuntime`."""
+        return self._cpu.copy_to(tensor, device)
+
+    def record(self) -> FakeEvent:
+        """Log an event on the compute stream."""
+        event = self._event()
+        self.log.append(Record(event))
+        return event
+
+    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> FakeEvent:
+        """Log the copy; do it now, or queue it when deferring."""
+        if after is not None and not isinstance(after, FakeEvent):
+            raise TypeError(f"not an event of this runtime: {after!r}")
+        done = self._event()
+        self.log.append(Copy(dst=dst.data_ptr(), nbytes=src.untyped_storage().nbytes(), after=after,
+                             done=done, capturing=self.capturing))
+        if self._defer:
+            self._queue.append((done, dst, src))
+        else:
+            dst.copy_(src)
+        return done
+
+    def wait(self, event: object) -> None:
+        """Log the wait; when deferring, finish every queued copy up to `event` (the copy
+        stream runs in order)."""
+        if not isinstance(event, FakeEvent):
+            raise TypeError(f"not an event of this runtime: {event!r}")
+        self.log.append(Wait(event, self.capturing))
+        if any(done == event for done, _, _ in self._queue):
+            while self._queue:
+                done, dst, src = self._queue.pop(0)
+                dst.copy_(src)
+                if done == event:
+                    break
+
+    def is_capturing(self) -> bool:
+        """What the test set `capturing` to."""
+        return self.capturing
+
+    def synchronize(self) -> None:
+        """Log it and finish every queued copy."""
+        self.log.append(Sync())
+        for _, dst, src in self._queue:
+            dst.copy_(src)
+        self._queue.clear()
+
+    def read(self, name: str, ptr: int) -> None:
+        """The `ProbeBlock` callback: log a compute read."""
+        self.log.append(Read(name, ptr))
+
+    def entries(self, kind: type[E]) -> list[E]:
+        """The logged entries of one kind, in order."""
+        return [entry for entry in self.log if isinstance(entry, kind)]

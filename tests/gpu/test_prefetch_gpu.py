@@ -1,0 +1,285 @@
+"""PrefetchOffloader on a real CUDA device: parity with real streams, CUDA-graph capture
+and replay, torch.compile, device memory freed as planned, pinning exactly as planned.
+
+Skipped without CUDA (see conftest.py). Models are a few tens of MiB per layer in bf16, so
+copies take long enough for a missing wait to show, and the tier stays well under a minute.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+from collections.abc import Iterator
+from typing import final
+
+import pytest
+import torch
+from torch import nn
+
+from offload import (
+    ENV_VARIABLES,
+    CudaRuntime,
+    EnvSnapshot,
+    ExecutionError,
+    OffloadConfig,
+    OffloadPlan,
+    PrefetchOffloader,
+    capture_env,
+    create_offloader,
+    describe_layers,
+    make_plan,
+)
+from tests.executors.models import TransformerBlock, bits, layer_list
+
+HIDDEN = 1024  # qkv 6 MiB, out 2 MiB, up and down 8 MiB each: about 24 MiB per layer in bf16
+TOKENS = 128
+NUM_LAYERS = 6
+
+
+def env_with_pinning(pin: bool) -> EnvSnapshot:
+    """This machine, with the pin switch forced (whatever the caller's environment says)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ENV_VARIABLES["disable_pin_memory"]}
+    if not pin:
+        environ["OFFLOAD_DISABLE_PIN_MEMORY"] = "1"
+    return capture_env(environ)
+
+
+def gpu_model(num_layers: int = NUM_LAYERS, *, seed: int = 0, hidden: int = HIDDEN) -> nn.Sequential:
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = nn.Sequential(*[TransformerBlock(hidden, 4 * hidden, heads=8) for _ in range(num_layers)])
+    return model.to(torch.bfloat16).requires_grad_(False)  # inference, as served
+
+
+def plan_for(model: nn.Module, config: OffloadConfig, *, pin: bool = True) -> OffloadPlan:
+    plan = make_plan(describe_layers(layer_list(model)), config, env_with_pinning(pin))
+    assert plan.compute_device == "cuda"
+    assert plan.pin.pin is pin
+    return plan
+
+
+def offload(model: nn.Module, plan: OffloadPlan) -> PrefetchOffloader:
+    off = create_offloader(plan)  # the default runtime for a CUDA plan: CudaRuntime
+    assert isinstance(off, PrefetchOffloader)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    return off
+
+
+def gpu_inputs(seed: int, count: int, hidden: int = HIDDEN) -> Iterator[torch.Tensor]:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(count):
+        yield torch.randn(2, TOKENS, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+
+
+CONFIGS = [
+    pytest.param(OffloadConfig(group_size=1, prefetch_step=2), id="every-layer-step2"),
+    pytest.param(OffloadConfig(group_size=1, prefetch_step=4), id="every-layer-step4"),
+    pytest.param(OffloadConfig(group_size=2, prefetch_step=2), id="every-2nd-3-layers-step2"),
+    pytest.param(OffloadConfig(group_size=1), id="every-layer-step1"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_parity_with_real_streams(config: OffloadConfig) -> None:
+    model = gpu_model()
+    reference = copy.deepcopy(model)
+    before = {n: (p, bits(p).clone(), p.stride(), p.device) for n, p in model.named_parameters()}
+    plan = plan_for(model, config)
+    off = offload(model, plan)
+    for x in gpu_inputs(seed=1, count=6):
+        assert torch.equal(model(x), reference(x))
+    assert off.stats().host_bytes == plan.host_bytes
+    off.restore()
+    for name, p in model.named_parameters():
+        param, data, stride, device = before[name]
+        assert p is param and p.stride() == stride and p.device == device, name
+        assert torch.equal(bits(p), data), name
+    for x in gpu_inputs(seed=2, count=2):
+        assert torch.equal(model(x), reference(x))
+
+
+def capture(model: nn.Module, static_x: torch.Tensor, off: PrefetchOffloader | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm up on a side stream, then capture one forward (joined when offloaded)."""
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    if off is not None:
+        off.sync_prev_onload()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = model(static_x)
+        if off is not None:
+            off.join_after_forward()
+    return graph, static_out
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3])
+def test_cuda_graph_capture_and_replay_parity(config: OffloadConfig) -> None:
+    model = gpu_model()
+    reference = copy.deepcopy(model)
+    off = offload(model, plan_for(model, config))
+    xs = list(gpu_inputs(seed=3, count=5))
+    static_x = xs[0].clone()
+    ref_x = xs[0].clone()
+    graph, static_out = capture(model, static_x, off)
+    # The resident reference is captured too, so both sides run the same captured kernels.
+    ref_graph, ref_out = capture(reference, ref_x, None)
+    for x in xs:
+        static_x.copy_(x)
+        ref_x.copy_(x)
+        off.sync_prev_onload()
+        graph.replay()
+        ref_graph.replay()
+        assert torch.equal(static_out, ref_out)
+        torch.testing.assert_close(static_out, reference(x))  # and it is this input's output
+    # Replays back to back (no sync in between), as a serving loop runs them.
+    for x in xs:
+        static_x.copy_(x)
+        ref_x.copy_(x)
+        graph.replay()
+        ref_graph.replay()
+        assert torch.equal(static_out, ref_out)
+
+
+def test_compiled_parity_aot_eager() -> None:
+    torch._dynamo.reset()
+    model = gpu_model(4)
+    reference = copy.deepcopy(model)
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    issued = off.stats().copies_issued
+    for x in gpu_inputs(seed=4, count=4):
+        assert torch.equal(compiled(x), reference(x))
+    assert off.stats().copies_issued > issued  # the custom ops ran inside the compiled graph
+    torch._dynamo.reset()
+
+
+def test_compiled_inductor_matches_eager_within_bf16_tolerance() -> None:
+    """Inductor fuses differently around the custom ops, so not bit for bit; a layer that
+    read another layer's (or half-copied) weights would be off by far more than this."""
+    torch._dynamo.reset()
+    model = gpu_model(3, hidden=512)
+    reference = copy.deepcopy(model)
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
+    compiled = torch.compile(model, fullgraph=True)
+    for x in gpu_inputs(seed=5, count=3, hidden=512):
+        torch.testing.assert_close(compiled(x), reference(x), atol=3e-2, rtol=3e-2)
+    off.restore()
+    torch._dynamo.reset()
+
+
+def test_device_memory_freed_matches_the_plan() -> None:
+    model = gpu_model()
+    plan = plan_for(model, OffloadConfig(group_size=1, prefetch_step=2))
+    expected = plan.device_bytes_freed - plan.device_bytes_buffers
+    assert expected > 0
+    gc.collect()  # earlier tests' models (kept in reference cycles by their hooks) go now ...
+    gc.disable()  # ... and not in the middle of the measurement
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        off = offload(model, plan)
+        torch.cuda.synchronize()
+        freed = before - torch.cuda.memory_allocated()
+    finally:
+        gc.enable()
+    assert abs(freed - expected) <= 0.01 * expected, (freed, expected)
+    assert off.stats().device_buffer_bytes == plan.device_bytes_buffers
+    off.restore()
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.memory_allocated() - before) <= 0.01 * expected  # all back, buffers gone
+
+
+@final
+class PinRecordingRuntime:
+    """A CudaRuntime that remembers, for every host copy, the pin asked for and whether the
+    host tensor it returned is pinned."""
+
+    def __init__(self) -> None:
+        self._cuda = CudaRuntime()
+        self.host_copies: list[tuple[bool, bool]] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self._cuda.device
+
+    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        host = self._cuda.host_copy(tensor, pin=pin)
+        self.host_copies.append((pin, host.is_pinned()))
+        return host
+
+    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._cuda.device_empty(shape, stride, dtype)
+
+    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return self._cuda.copy_to(tensor, device)
+
+    def record(self) -> torch.cuda.Event:
+        return self._cuda.record()
+
+    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
+        return self._cuda.copy_after(dst, src, after)
+
+    def wait(self, event: object) -> None:
+        self._cuda.wait(event)
+
+    def is_capturing(self) -> bool:
+        return self._cuda.is_capturing()
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize()
+
+
+@pytest.mark.parametrize("pin", [True, False], ids=["pin-on", "pin-disabled"])
+def test_host_storage_is_pinned_exactly_when_the_plan_says(pin: bool) -> None:
+    model = gpu_model(3)
+    reference = copy.deepcopy(model)
+    plan = plan_for(model, OffloadConfig(group_size=1, prefetch_step=2), pin=pin)
+    runtime = PinRecordingRuntime()
+    off = create_offloader(plan, runtime)
+    layers = layer_list(model)
+    off.wrap_modules(layers)
+    # Before post_init the offloaded parameters hold their host copies.
+    for p in plan.offloaded_params:
+        param = layers[p.layer].get_parameter(p.name)
+        assert param.device.type == "cpu"
+        assert param.is_pinned() is pin, (p.layer, p.name)
+    # Post-processing hands back a new device tensor: post_init re-copies it, pinned as planned.
+    for model_ in (model, reference):
+        up = model_[1].get_submodule("mlp.up")
+        assert isinstance(up, nn.Linear)
+        up.weight.data = (up.weight.data.to("cuda") * 2).contiguous()
+    off.post_init()
+    assert len(runtime.host_copies) > len(plan.offloaded_params)
+    assert set(runtime.host_copies) == {(pin, pin)}
+    for x in gpu_inputs(seed=6, count=2):
+        assert torch.equal(model(x), reference(x))
+
+
+def test_capture_with_pinning_disabled_raises_execution_error() -> None:
+    model = gpu_model(3)
+    reference = copy.deepcopy(model)
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2), pin=False))
+    static_x = next(gpu_inputs(seed=7, count=1))
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    off.sync_prev_onload()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ExecutionError, match="pinning is off") as info:
+        with torch.cuda.graph(graph):
+            # One kernel first, so that ending the aborted capture does not warn about an
+            # empty graph (which this suite's filterwarnings=error would turn into the error).
+            model(static_x * 1)
+    assert "OFFLOAD_DISABLE_PIN_MEMORY" in str(info.value)
+    torch.cuda.synchronize()
+    off.restore()
+    x = next(gpu_inputs(seed=8, count=1))
+    assert torch.equal(model(x), reference(x))
