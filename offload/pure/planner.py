@@ -78,7 +78,16 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         selection = Selection(offloaded=(), split_ties=())
         placement = Placement.RESIDENT
 
-    offloaded: set[Ref] = {(index, param.name) for group in selection.offloaded for index, param in group}
+    # Offloaded names per layer: the loop below looks names up without building a key per
+    # parameter (a large model has tens of thousands, and make_plan has a time budget).
+    offloaded: dict[int, set[str]] = {}
+    for group in selection.offloaded:
+        for index, param in group:
+            names = offloaded.get(index)
+            if names is None:
+                offloaded[index] = {param.name}
+            else:
+                names.add(param.name)
     tied_to: dict[Ref, Ref] = {
         (index, param.name): group_primary(group)
         for group in groups
@@ -86,11 +95,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         for index, param in group[1:]
     }
 
-    offloaded_layers = (
-        tuple(sorted({index for group in selection.offloaded for index, _ in group}))
-        if backend is Backend.PREFETCH
-        else ()
-    )
+    offloaded_layers = tuple(sorted(offloaded)) if backend is Backend.PREFETCH else ()
     schedule = schedule_prefetch(len(offloaded_layers), config.prefetch_step)
     check_schedule(schedule)
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
@@ -99,20 +104,21 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
     prefetched: list[ParamPlan] = []
     resident_bytes = 0
     on_device: dict[str, bool] = {}  # device name -> on the compute device (few distinct names)
+    no_names: set[str] = set()
+    resident = Placement.RESIDENT
     for layer in spec.layers:
-        slot = slot_of_layer.get(layer.index)
+        index = layer.index
+        slot = slot_of_layer.get(index)
+        names = offloaded.get(index, no_names)
         for param in layer.params:
-            ref = (layer.index, param.name)
-            tie = tied_to.get(ref)
-            if ref in offloaded:
-                if slot is None:  # UVA or on demand: no static buffer
-                    params.append(ParamPlan(layer=layer.index, param=param, placement=placement, tied_to=tie))
-                    continue
-                entry = ParamPlan(layer=layer.index, param=param, placement=placement, slot=slot, tied_to=tie)
+            tie = tied_to.get((index, param.name)) if param.storage_key is not None else None
+            if param.name in names:
+                entry = ParamPlan(layer=index, param=param, placement=placement, slot=slot, tied_to=tie)
                 params.append(entry)
-                prefetched.append(entry)
+                if slot is not None:
+                    prefetched.append(entry)
                 continue
-            params.append(ParamPlan(layer=layer.index, param=param, placement=Placement.RESIDENT, tied_to=tie))
+            params.append(ParamPlan(layer=index, param=param, placement=resident, tied_to=tie))
             here = on_device.get(param.device)
             if here is None:
                 here = on_device[param.device] = is_on_compute_device(param.device, platform)
