@@ -76,11 +76,41 @@ class Runtime(Protocol):
 
         Args:
             tensor: the source, on any device.
-            pin: page-lock the host memory (as the plan's `PinDecision` says).
+            pin: page-lock the host memory (as the plan's `PinDecision` says). If pinning
+                fails for this tensor it is left pageable (see `is_pinned`), logged and
+                counted in `pin_fallbacks`; with ``pin=False`` nothing is ever pinned or
+                registered.
 
         Raises:
-            ExecutionError: the allocation, pinning or copy failed.
+            ExecutionError: the allocation or copy failed.
         """
+        ...
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """True when `host` (from `host_copy`) is page-locked."""
+        ...
+
+    @property
+    def pin_fallbacks(self) -> int:
+        """How many `host_copy` calls asked to pin and got pageable memory instead."""
+        ...
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Give back what `host_copy` took for `host` (unregister page-locked memory)."""
+        ...
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        """A zero-copy view of page-locked `host` that kernels on the compute device read
+        in place (same shape, strides, dtype); `host` must outlive it.
+
+        Raises:
+            ExecutionError: `host` is not page-locked, or the device cannot map it.
+        """
+        ...
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of `host` on the compute device, queued on the compute stream (on-demand
+        loading), keeping its strides."""
         ...
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

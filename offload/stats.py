@@ -20,6 +20,8 @@ class OffloadStats:
         bytes_copied: bytes those copies moved.
         wait_seconds: time the compute stream waited for copies, in seconds; None when
             the runtime cannot measure it.
+        pin_fallbacks: host copies the plan pins that stayed pageable because pinning
+            them failed (the model works; such a model cannot be captured in a CUDA graph).
     """
 
     params_offloaded: int = 0
@@ -29,3 +31,4 @@ class OffloadStats:
     copies_issued: int = 0
     bytes_copied: int = 0
     wait_seconds: float | None = None
+    pin_fallbacks: int = 0

@@ -40,6 +40,7 @@ from offload.executors.common import (
     torch_dtype,
     unpatch_forward,
 )
+from offload.executors.hoststore import HostStore
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
@@ -79,7 +80,7 @@ class PrefetchOffloader:
         self._rt = runtime
         self._state = _State.NEW
         self._layers: list[nn.Module] = []
-        self._host: dict[Ref, torch.Tensor] = {}  # primary (layer, name) -> host copy
+        self._host = HostStore(runtime, pin=plan.pin.pin)  # owner (layer, name) -> host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
@@ -129,9 +130,7 @@ class PrefetchOffloader:
             for p in self._plan.offloaded_params:
                 ref = (p.layer, p.name)
                 param = live[ref]
-                if p.tied_to is None:
-                    self._host[ref] = self._rt.host_copy(param.data, pin=self._plan.pin.pin)
-                host = self._host[p.tied_to if p.tied_to is not None else ref]
+                host = self._host.put(ref, param.data) if p.tied_to is None else self._host_of(p.tied_to)
                 self._origin[ref] = param.device
                 moved.append((param, param.data))
                 param.data = host
@@ -218,7 +217,7 @@ class PrefetchOffloader:
                 continue
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
-            self._copies[position_of[p.layer]].append((buffer, self._host[p.tied_to or ref]))
+            self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
         for position in plan.schedule.initial:
             self._issue(position, self._rt.record(), in_capture=False)
 
@@ -231,14 +230,13 @@ class PrefetchOffloader:
             if param is None:
                 actual[ref] = None
                 self._dropped += 1
-                self._host.pop(ref, None)
+                self._host.drop(ref)
                 log.info("layer %d parameter %r was deleted by post-processing; dropped", p.layer, p.name)
                 continue
             expected = self._host.get(p.tied_to or ref)
             if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
                 # Replaced (or its tie was broken): its data gets its own host copy.
-                self._host[ref] = self._rt.host_copy(param.data, pin=self._plan.pin.pin)
-                param.data = self._host[ref]
+                param.data = self._host.put(ref, param.data)
             spec = describe_tensor(p.layer, p.name, param.data)
             actual[ref] = ParamSpec(name=spec.name, shape=spec.shape, stride=spec.stride, dtype=spec.dtype,
                                     itemsize=spec.itemsize, storage_key=spec.storage_key, device=p.device)
@@ -279,6 +277,14 @@ class PrefetchOffloader:
         self._landed.discard(position)
 
     def _check_capturable(self) -> None:
+        if self._plan.pin.pin and self._host.fallbacks:
+            raise ExecutionError(
+                f"cannot capture a CUDA graph: pinning failed for {self._host.fallbacks} host copies, "
+                "which stayed in pageable memory (see stats().pin_fallbacks), and PyTorch refuses "
+                "host-to-device copies from pageable memory during capture",
+                name="pin_fallbacks",
+                value=self._host.fallbacks,
+            )
         if not self._plan.pin.pin:
             raise ExecutionError(
                 "cannot capture a CUDA graph of a model whose offloaded weights are in pageable "
@@ -387,7 +393,7 @@ class PrefetchOffloader:
                 raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
                                      name=p.name, value=p.layer)
             if owner not in restored:
-                restored[owner] = self._rt.copy_to(self._host[owner], self._origin[owner])
+                restored[owner] = self._rt.copy_to(self._host_of(owner), self._origin[owner])
             param.data = restored[owner]
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
@@ -407,10 +413,17 @@ class PrefetchOffloader:
         return OffloadStats(
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
-            host_bytes=sum(t.untyped_storage().nbytes() for t in self._host.values()),
+            host_bytes=self._host.nbytes,
             device_buffer_bytes=sum(t.untyped_storage().nbytes() for slots in self._buffers.values()
                                     for t in slots.values()),
             copies_issued=self._copies_issued,
             bytes_copied=self._bytes_copied,
             wait_seconds=None,
+            pin_fallbacks=self._host.fallbacks,
         )
+
+    def _host_of(self, ref: Ref) -> torch.Tensor:
+        host = self._host.get(ref)
+        if host is None:
+            raise ExecutionError(f"no host copy for layer {ref[0]} parameter {ref[1]!r}", name=ref[1], value=ref[0])
+        return host

@@ -66,6 +66,28 @@ class CpuRuntime:
                                  name="host_copy", value=tuple(tensor.shape)) from exc
         return host
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Never: nothing is pinned without CUDA."""
+        return False
+
+    @property
+    def pin_fallbacks(self) -> int:
+        """Always 0: the CPU runtime refuses to pin rather than falling back."""
+        return 0
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Nothing to give back: host copies are ordinary tensors."""
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        """The CPU reads host memory in place: the view is `host` itself."""
+        return host
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A separate copy, as a device copy would be, keeping the strides."""
+        out = host_empty_like(host)
+        out.copy_(host)
+        return out
+
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor with exactly these strides."""
         return torch.empty_strided(shape, stride, dtype=dtype, device="cpu")

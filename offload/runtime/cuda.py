@@ -7,14 +7,46 @@ done event that the compute stream waits on before the layer that reads the buff
 
 from __future__ import annotations
 
-from typing import final
+import logging
+from typing import Any, final
 
 import torch
 
 from offload.errors import ExecutionError
 from offload.runtime.cpu import host_empty_like
+from offload.runtime.hostmem import HostRegisterError, Register, RegisteredHost, Unregister, register_host_tensor
 
-__all__ = ["CudaRuntime"]
+__all__ = ["CudaRuntime", "zero_copy_view"]
+
+log = logging.getLogger(__name__)
+
+# __cuda_array_interface__ type strings by item size: an integer type of the same width,
+# reinterpreted as the real dtype afterwards (bfloat16 and float8 have no type string).
+_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8", 16: "<c16"}
+
+
+class _HostArray:
+    """Presents page-locked host memory to torch as CUDA memory (unified addressing makes
+    the host pointer valid on the device); holds the host tensor so the memory outlives
+    the view."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        itemsize = host.element_size()
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": tuple(host.shape),
+            "strides": tuple(step * itemsize for step in host.stride()),
+            "typestr": _TYPESTR[itemsize],
+            "data": (host.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device` that reads page-locked `host` in place, same shape, strides
+    and dtype. Keep `host` alive as long as the view (the view holds it)."""
+    raw = torch.as_tensor(_HostArray(host), device=device)
+    return raw if raw.dtype == host.dtype else raw.view(host.dtype)
 
 
 @final
@@ -34,6 +66,11 @@ class CudaRuntime:
                                  name="device", value="cuda")
         self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._registered: dict[int, RegisteredHost] = {}  # host data_ptr -> its registration
+        self._fallbacks = 0
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._register: Register = lambda pointer, nbytes: int(cudart.cudaHostRegister(pointer, nbytes, 0))
+        self._unregister: Unregister = lambda pointer: int(cudart.cudaHostUnregister(pointer))
 
     @property
     def device(self) -> torch.device:
@@ -43,11 +80,15 @@ class CudaRuntime:
     def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
         """An exact-size host tensor with the same shape, strides and values.
 
+        Pinned copies are mapped pages registered in place (`register_host_tensor`),
+        never PyTorch's power-of-two pinned allocator. If registration fails, the tensor
+        stays pageable: logged once, counted in `pin_fallbacks`.
+
         Raises:
-            ExecutionError: the allocation, pinning or copy failed; the CUDA error is the cause.
+            ExecutionError: the allocation or copy failed; the CUDA error is the cause.
         """
         try:
-            host = host_empty_like(tensor, pin=pin)
+            host = self._pinned_empty_like(tensor) if pin else host_empty_like(tensor)
             host.copy_(tensor)
         except RuntimeError as exc:
             raise ExecutionError(
@@ -57,6 +98,62 @@ class CudaRuntime:
                 value=tuple(tensor.shape),
             ) from exc
         return host
+
+    def _pinned_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            registered = register_host_tensor(
+                tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+                register=self._register, unregister=self._unregister,
+            )
+        except (HostRegisterError, OSError) as exc:
+            self._fallbacks += 1
+            if self._fallbacks == 1:
+                log.warning("pinning host memory failed (%s); this and later failures fall back to "
+                            "pageable memory, which is slower and cannot be captured in CUDA graphs", exc)
+            return host_empty_like(tensor)
+        if registered.pieces:
+            self._registered[registered.tensor.data_ptr()] = registered
+        return registered.tensor
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """True when `host` is registered by this runtime (or otherwise page-locked)."""
+        return host.data_ptr() in self._registered or bool(host.is_pinned())
+
+    @property
+    def pin_fallbacks(self) -> int:
+        """How many pinned host copies fell back to pageable memory."""
+        return self._fallbacks
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Unregister `host`'s pages (their memory is freed when the tensor is)."""
+        registered = self._registered.pop(host.data_ptr(), None)
+        if registered is None:
+            return
+        for pointer, _ in registered.pieces:
+            status = self._unregister(pointer)
+            if status != 0:
+                log.warning("cudaHostUnregister failed with cudaError %d", status)
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        """A zero-copy device view of registered `host` (``__cuda_array_interface__``).
+
+        Raises:
+            ExecutionError: `host` is not page-locked, or torch refused the pointer.
+        """
+        if not self.is_pinned(host):
+            raise ExecutionError("a zero-copy view needs page-locked host memory; this tensor is pageable",
+                                 name="device_view", value=tuple(host.shape))
+        try:
+            return zero_copy_view(host, self._device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ExecutionError(f"zero-copy view of a {tuple(host.shape)} {host.dtype} host tensor failed: {exc}",
+                                 name="device_view", value=tuple(host.shape)) from exc
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of `host` on the device, queued on the current stream, keeping strides."""
+        out = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=self._device)
+        out.copy_(host, non_blocking=self.is_pinned(host))
+        return out
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the device with exactly these strides."""

@@ -11,7 +11,11 @@ copies, events, waits and compute. Knobs:
   its buffer without waiting would then read stale data, and parity would fail.
 - ``capturing``: what `is_capturing` answers; toggle it to play a CUDA graph capture.
 - `host_copy` accepts ``pin=True`` (it records the request) and copies without pinning,
-  so plans made for a CUDA-like platform run here.
+  so plans made for a CUDA-like platform run here; `is_pinned` then answers True for that
+  copy (the fake plays pinned memory), unless ``fail_pin_at=k`` made the k-th pinned copy
+  fall back to pageable (counted in `pin_fallbacks`, as a real runtime would).
+- `release_host`, `device_view` and `to_device` are logged as `Release`, `View` and
+  `ToDevice`; a view is the host tensor itself (the CPU reads host memory in place).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ __all__ = [
     "InjectedFailure",
     "Read",
     "Record",
+    "Release",
     "Sync",
+    "ToDevice",
+    "View",
     "Wait",
 ]
 
@@ -98,8 +105,32 @@ class Read:
     ptr: int
 
 
-Entry = HostCopy | Record | Copy | Wait | Sync | Read
-E = TypeVar("E", HostCopy, Record, Copy, Wait, Sync, Read)
+@attrs.frozen
+class Release:
+    """`release_host` for a host tensor of `shape` (pinned or not)."""
+
+    shape: tuple[int, ...]
+    pinned: bool
+
+
+@attrs.frozen
+class View:
+    """`device_view` of a host tensor of `shape` (pinned or not)."""
+
+    shape: tuple[int, ...]
+    pinned: bool
+
+
+@attrs.frozen
+class ToDevice:
+    """`to_device` (an on-demand copy) of a host tensor of `shape` (pinned or not)."""
+
+    shape: tuple[int, ...]
+    pinned: bool
+
+
+Entry = HostCopy | Record | Copy | Wait | Sync | Read | Release | View | ToDevice
+E = TypeVar("E", HostCopy, Record, Copy, Wait, Sync, Read, Release, View, ToDevice)
 
 
 @final
@@ -107,8 +138,17 @@ class FakeRuntime:
     """A `Runtime` on the CPU that logs every effect (see the module docstring)."""
 
     def __init__(
-        self, *, fail_host_copy_at: int | None = None, fail_device_empty_at: int | None = None, defer: bool = False
+        self,
+        *,
+        fail_host_copy_at: int | None = None,
+        fail_device_empty_at: int | None = None,
+        fail_pin_at: int | None = None,
+        defer: bool = False,
     ) -> None:
+        self._fail_pin_at = fail_pin_at
+        self._pin_requests = 0
+        self._pinned: set[int] = set()  # data_ptrs of copies playing pinned memory
+        self._fallbacks = 0
         self._cpu = CpuRuntime()
         self._numbers = itertools.count()
         self._fail_at = fail_host_copy_at
@@ -135,7 +175,39 @@ class FakeRuntime:
         self.log.append(HostCopy(pin=pin, shape=tuple(tensor.shape)))
         if index == self._fail_at:
             raise InjectedFailure(f"injected host_copy failure #{index}")
-        return self._cpu.host_copy(tensor, pin=False)
+        host = self._cpu.host_copy(tensor, pin=False)
+        if pin:
+            request = self._pin_requests
+            self._pin_requests += 1
+            if request == self._fail_pin_at:
+                self._fallbacks += 1
+            elif host.numel():
+                self._pinned.add(host.data_ptr())
+        return host
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """True for copies made with ``pin=True`` that did not fall back."""
+        return host.numel() > 0 and host.data_ptr() in self._pinned
+
+    @property
+    def pin_fallbacks(self) -> int:
+        """Pinned copies that fell back to pageable (``fail_pin_at``)."""
+        return self._fallbacks
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Log the release and forget the pinned flag."""
+        self.log.append(Release(shape=tuple(host.shape), pinned=self.is_pinned(host)))
+        self._pinned.discard(host.data_ptr())
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        """Log the view; the CPU reads host memory in place (the view is `host`)."""
+        self.log.append(View(shape=tuple(host.shape), pinned=self.is_pinned(host)))
+        return self._cpu.device_view(host)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Log the on-demand copy; copy as `CpuRuntime` does."""
+        self.log.append(ToDevice(shape=tuple(host.shape), pinned=self.is_pinned(host)))
+        return self._cpu.to_device(host)
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """As `CpuRuntime`; fail if told to."""

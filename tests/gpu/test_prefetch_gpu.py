@@ -213,6 +213,22 @@ class PinRecordingRuntime:
         self.host_copies.append((pin, host.is_pinned()))
         return host
 
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        return self._cuda.is_pinned(host)
+
+    @property
+    def pin_fallbacks(self) -> int:
+        return self._cuda.pin_fallbacks
+
+    def release_host(self, host: torch.Tensor) -> None:
+        self._cuda.release_host(host)
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        return self._cuda.device_view(host)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return self._cuda.to_device(host)
+
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return self._cuda.device_empty(shape, stride, dtype)
 

@@ -1,0 +1,84 @@
+"""`HostStore`: the host copies an executor holds, one per storage, pinned as the plan says.
+
+Shared by the executors so that pinning is requested in exactly one place, fallbacks are
+counted the same way, and everything taken is given back on restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import final
+
+import torch
+
+from offload.protocols import Runtime
+
+__all__ = ["HostStore", "Ref"]
+
+log = logging.getLogger(__name__)
+
+#: (layer index, parameter name relative to the layer).
+Ref = tuple[int, str]
+
+
+@final
+class HostStore:
+    """Host copies keyed by the (layer, name) that owns each storage.
+
+    Args:
+        runtime: makes and releases the copies.
+        pin: the plan's pin decision; passed to every `Runtime.host_copy` unchanged.
+    """
+
+    def __init__(self, runtime: Runtime, *, pin: bool) -> None:
+        self._rt = runtime
+        self._pin = pin
+        self._copies: dict[Ref, torch.Tensor] = {}
+        self._unpinned: set[Ref] = set()  # owners whose pinned copy fell back to pageable
+
+    def put(self, ref: Ref, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy `tensor` to host memory for `ref` (releasing a copy `ref` held before).
+
+        Raises:
+            ExecutionError: the runtime could not make the copy.
+        """
+        host = self._rt.host_copy(tensor, pin=self._pin)
+        self.drop(ref)
+        self._copies[ref] = host
+        if self._pin and host.numel() and not self._rt.is_pinned(host):
+            self._unpinned.add(ref)
+            log.info("layer %d parameter %r stays in pageable memory: pinning it failed", *ref)
+        return host
+
+    def get(self, ref: Ref) -> torch.Tensor | None:
+        """The copy `ref` owns, or None."""
+        return self._copies.get(ref)
+
+    def __contains__(self, ref: object) -> bool:
+        return ref in self._copies
+
+    def __iter__(self) -> Iterator[Ref]:
+        return iter(self._copies)
+
+    def drop(self, ref: Ref) -> None:
+        """Release the copy `ref` owns, if any."""
+        host = self._copies.pop(ref, None)
+        self._unpinned.discard(ref)
+        if host is not None:
+            self._rt.release_host(host)
+
+    def clear(self) -> None:
+        """Release every copy."""
+        for ref in list(self._copies):
+            self.drop(ref)
+
+    @property
+    def fallbacks(self) -> int:
+        """Copies held that were asked to be pinned and are pageable."""
+        return len(self._unpinned)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held, each storage once."""
+        return sum(t.untyped_storage().nbytes() for t in self._copies.values())
