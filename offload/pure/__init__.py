@@ -1,6 +1,6 @@
 """The functional core of `offload`: values and pure functions, no torch, no I/O.
 
-Nothing in this package imports torch, reads ``os.environ``, files, clocks or devices, or
+Nothing in this package imports torch, reads the process environment, files, clocks or devices, or
 logs. Inputs and outputs are immutable values; the same inputs always give the same plan.
 """
 

@@ -1,7 +1,7 @@
 """The environment as values: the user's switches, the platform, and their snapshot.
 
 Nothing here reads the environment. `parse_env` takes a mapping that the caller supplies
-(`capture_env` passes ``os.environ``; tests pass a dict), and `Platform` is filled in by
+(`capture_env` passes the process environment; tests pass a dict), and `Platform` is filled in by
 the shell (`offload.capture`) or written by hand in tests.
 """
 
@@ -77,7 +77,7 @@ def parse_env(environ: Mapping[str, str]) -> EnvFlags:
     """Read the user's switches from an environment mapping.
 
     Args:
-        environ: variable name to value, usually ``os.environ`` passed by the shell.
+        environ: variable name to value, usually the process environment, passed by the shell.
 
     Returns:
         The flags; a variable that is unset or empty counts as not set (False).
