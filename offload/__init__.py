@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from offload.create import create_offloader
     from offload.executors.noop import NoopOffloader
     from offload.executors.prefetch import PrefetchOffloader
+    from offload.executors.uva import UVAOffloader
     from offload.runtime.cpu import CpuRuntime
     from offload.runtime.cuda import CudaRuntime
     from offload.checkpoint import read_checkpoint, spec_from_checkpoint
@@ -91,6 +92,7 @@ _LAZY = {
     "CudaRuntime": "offload.runtime.cuda",
     "NoopOffloader": "offload.executors.noop",
     "PrefetchOffloader": "offload.executors.prefetch",
+    "UVAOffloader": "offload.executors.uva",
 }
 
 __version__ = "0.1.0"
@@ -136,6 +138,7 @@ __all__ = [
     "PrefetchOffloader",
     "PrefetchSchedule",
     "StepEstimate",
+    "UVAOffloader",
     "UvaDecision",
     "UvaReason",
     "WarningCode",

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=_positive_int, default=8, help="blocks (default 8)")
     demo.add_argument("--hidden", type=_positive_int, default=256, help="width, a multiple of 64 (default 256)")
     demo.add_argument("--tokens", type=_positive_int, default=64, help="tokens per step (default 64)")
+    demo.add_argument("--backend", choices=["prefetch", "uva"], default="prefetch",
+                      help="prefetch (every 2nd layer, the default) or uva (half the model's bytes)")
     return parser
 
 
@@ -313,7 +315,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     env = _capture()
     result = run_demo(
         env=env, device=args.device, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
-        progress=lambda line: print(f"... {line}", flush=True),
+        backend=args.backend, progress=lambda line: print(f"... {line}", flush=True),
     )
     print()
     print(render_plan(result.plan))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from offload.errors import PlanError
 from offload.executors.noop import NoopOffloader
 from offload.executors.prefetch import PrefetchOffloader
+from offload.executors.uva import UVAOffloader
 from offload.protocols import Offloader, Runtime
 from offload.pure.plan import Backend, OffloadPlan
 from offload.runtime.cpu import CpuRuntime
@@ -33,20 +33,16 @@ def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None) -> Offlo
         runtime: the effects to use; by default from the plan's platform (`default_runtime`).
 
     Returns:
-        A `PrefetchOffloader` or `NoopOffloader`, typed as the `Offloader` protocol.
+        A `PrefetchOffloader`, `UVAOffloader` or `NoopOffloader`, typed as the
+        `Offloader` protocol.
 
     Raises:
-        PlanError: the plan's backend has no executor in this version (uva).
+        PlanError: the plan is inconsistent with its backend (see each executor).
         ExecutionError: the default runtime cannot be created.
     """
-    if plan.backend is Backend.UVA:
-        raise PlanError(
-            "the uva backend has no executor in this version yet; plan with backend "
-            "prefetch (group_size > 0) or none",
-            name="backend",
-            value=plan.backend.value,
-        )
     rt = runtime if runtime is not None else default_runtime(plan)
     if plan.backend is Backend.PREFETCH:
         return PrefetchOffloader(plan, rt)
+    if plan.backend is Backend.UVA:
+        return UVAOffloader(plan, rt)
     return NoopOffloader(plan, rt)

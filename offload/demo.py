@@ -1,5 +1,6 @@
 """`offload demo`: a small transformer-style model run resident and offloaded, compared
-bit for bit, with the plan, the device memory freed and step times.
+bit for bit, with the plan, the device memory freed and step times. The backend is
+prefetch (every 2nd layer) or uva (half the model's bytes).
 
 On a machine without a GPU it runs on `CpuRuntime`: the mechanics (hooks, slots, the
 schedule, copies, restore) are exercised for real, but no memory is saved, and the
@@ -24,7 +25,7 @@ from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError
 from offload.pure.config import OffloadConfig
 from offload.pure.env import EnvSnapshot, Platform
-from offload.pure.plan import OffloadPlan
+from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.planner import make_plan
 from offload.stats import OffloadStats
 
@@ -33,6 +34,7 @@ __all__ = ["DemoBlock", "DemoResult", "build_demo_model", "run_demo"]
 log = logging.getLogger(__name__)
 
 DeviceChoice = Literal["auto", "cuda", "cpu"]
+BackendChoice = Literal["prefetch", "uva"]
 
 
 class DemoBlock(nn.Module):
@@ -140,6 +142,7 @@ def run_demo(
     hidden: int = 256,
     tokens: int = 64,
     config: OffloadConfig | None = None,
+    backend: BackendChoice = "prefetch",
     steps: int = 5,
     progress: Callable[[str], None] = log.info,
 ) -> DemoResult:
@@ -150,7 +153,10 @@ def run_demo(
             is replaced by one without an accelerator).
         device: "auto" (CUDA when available), "cuda" or "cpu".
         layers, hidden, tokens: model depth, width (a multiple of 64) and tokens per step.
-        config: what to offload; by default prefetch of every 2nd layer, depth 2.
+        config: what to offload; by default, per `backend`.
+        backend: the default config's backend: "prefetch" (every 2nd layer, depth 2) or
+            "uva" (``uva_max_bytes`` half the model's bytes; on-demand copies where the
+            plan turns UVA off, e.g. without a GPU).
         steps: timed forward steps per mode.
         progress: called with a line for each stage (the CLI prints them).
 
@@ -167,10 +173,13 @@ def run_demo(
     if target.type == "cpu" and env.platform.has_cuda:
         env = attrs.evolve(env, platform=Platform(torch_version=env.platform.torch_version))
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    config = config or OffloadConfig(group_size=2, num_in_group=1, prefetch_step=2)
 
     progress(f"building {layers} blocks of width {hidden} ({dtype}) on {target}")
     model = build_demo_model(layers, hidden, device=target, dtype=dtype)
+    if config is None and backend == "uva":
+        model_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+        config = OffloadConfig(backend="uva", uva_max_bytes=model_bytes // 2)
+    config = config or OffloadConfig(group_size=2, num_in_group=1, prefetch_step=2)
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     generator = torch.Generator(device="cpu").manual_seed(1)
     inputs = [torch.randn(1, tokens, hidden, generator=generator).to(target, dtype) for _ in range(steps)]
@@ -182,7 +191,8 @@ def run_demo(
     offloader = create_offloader(plan)
     _sync(target)
     before = torch.cuda.memory_allocated(target) if target.type == "cuda" else 0
-    progress(f"offloading {len(plan.offloaded_params)} parameters of {len(plan.offloaded_layers)} layers")
+    progress(f"offloading {len(plan.offloaded_params)} parameters of "
+             f"{len({p.layer for p in plan.offloaded_params})} layers ({plan.backend.value})")
     offloader.wrap_modules(list(model))
     offloader.post_init()
     _sync(target)
@@ -211,6 +221,16 @@ def run_demo(
     )
 
 
+def _plan_line(plan: OffloadPlan) -> str:
+    if plan.backend is Backend.UVA:
+        placements = sorted({p.placement.value for p in plan.offloaded_params})
+        return (f"{len(plan.offloaded_params)} parameters of {len({p.layer for p in plan.offloaded_params})} "
+                f"of {plan.num_layers} layers offloaded ({', '.join(placements) or 'none'}), "
+                f"{plan.offloaded_bytes} bytes offloaded")
+    return (f"{len(plan.offloaded_layers)} of {plan.num_layers} layers offloaded, "
+            f"{plan.schedule.num_slots} slots, {plan.offloaded_bytes} bytes offloaded")
+
+
 def summarize(result: DemoResult) -> Mapping[str, str]:
     """The result as labelled lines for people."""
     plan = result.plan
@@ -218,8 +238,7 @@ def summarize(result: DemoResult) -> Mapping[str, str]:
         "device": result.device + (" (no GPU: mechanics verified, no memory saved)" if result.mechanics_only else ""),
         "parity": "outputs equal bit for bit" if result.outputs_equal else "OUTPUTS DIFFER",
         "restore": "every weight restored bit for bit" if result.restored_equal else "RESTORE DIFFERS",
-        "plan": f"{len(plan.offloaded_layers)} of {plan.num_layers} layers offloaded, "
-                f"{plan.schedule.num_slots} slots, {plan.offloaded_bytes} bytes offloaded",
+        "plan": _plan_line(plan),
         "step time": f"resident {result.resident_step_s * 1e3:.3f} ms, offloaded "
                      f"{result.offloaded_step_s * 1e3:.3f} ms "
                      f"({result.offloaded_step_s / result.resident_step_s:.2f}x) over {result.steps} steps",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -13,8 +15,10 @@ from offload import (
     ExecutionError,
     NoopOffloader,
     OffloadConfig,
+    OffloadPlan,
     PlanError,
     PrefetchOffloader,
+    UVAOffloader,
     create_offloader,
     describe_layers,
     make_plan,
@@ -45,14 +49,27 @@ def test_backend_prefetch_gives_a_prefetch_offloader_running_that_plan() -> None
     assert off.plan is plan
 
 
-def test_backend_uva_has_no_executor_yet() -> None:
+def test_backend_uva_gives_a_uva_offloader_running_that_plan() -> None:
     plan = cpu_plan(transformer_model(2), OffloadConfig(backend="uva", uva_max_bytes=1))
     assert plan.backend is Backend.UVA
-    with pytest.raises(PlanError, match="uva") as info:
-        create_offloader(plan)
-    assert (info.value.name, info.value.value) == ("backend", "uva")
-    with pytest.raises(PlanError):
-        create_offloader(plan, CpuRuntime())  # not even with a runtime given
+    off = create_offloader(plan)
+    assert isinstance(off, UVAOffloader)
+    assert off.plan is plan
+    assert isinstance(create_offloader(plan, CpuRuntime()), UVAOffloader)
+
+
+@pytest.mark.parametrize(("executor", "config"), [
+    (PrefetchOffloader, OffloadConfig(backend="uva", uva_max_bytes=1)),
+    (UVAOffloader, OffloadConfig(group_size=1)),
+    (NoopOffloader, OffloadConfig(backend="uva", uva_max_bytes=1)),
+])
+def test_an_executor_refuses_another_backends_plan(
+    executor: Callable[[OffloadPlan, protocols.Runtime], protocols.Offloader], config: OffloadConfig
+) -> None:
+    plan = cpu_plan(transformer_model(2), config)
+    with pytest.raises(PlanError, match=f"got (backend )?{plan.backend.value}") as info:
+        executor(plan, CpuRuntime())
+    assert (info.value.name, info.value.value) == ("backend", plan.backend.value)
 
 
 def test_a_plan_for_the_cpu_runs_on_cpu_runtime_by_default() -> None:

@@ -2,5 +2,6 @@
 
 from offload.executors.noop import NoopOffloader
 from offload.executors.prefetch import PrefetchOffloader
+from offload.executors.uva import UVAOffloader
 
-__all__ = ["NoopOffloader", "PrefetchOffloader"]
+__all__ = ["NoopOffloader", "PrefetchOffloader", "UVAOffloader"]

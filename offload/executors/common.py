@@ -3,24 +3,47 @@ resolving dtypes. No policy lives here; the plan has made every decision."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
+import attrs
 import torch
 from torch import nn
 
-from offload.errors import ExecutionError, PlanError
+from offload.describe import describe_tensor
+from offload.errors import ExecutionError, OffloadError, PlanError
+from offload.executors.hoststore import HostStore
+from offload.protocols import Runtime
 from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.spec import ParamSpec
 
 __all__ = [
+    "Lifecycle",
     "Ref",
     "check_layers",
+    "copy_back",
+    "current_spec",
     "find_parameter",
     "first_float_tensor",
+    "host_of",
+    "host_owner",
     "patch_forward",
+    "raise_as_execution_error",
+    "roll_back",
     "torch_dtype",
     "unpatch_forward",
 ]
+
+class Lifecycle(enum.Enum):
+    """Where an executor is: made, wrapped (weights in host memory), ready (post_init
+    done), or restored (done for good)."""
+
+    NEW = "new"
+    WRAPPED = "wrapped"
+    READY = "ready"
+    RESTORED = "restored"
+
 
 #: (layer index, parameter name relative to the layer).
 Ref = tuple[int, str]
@@ -131,3 +154,83 @@ def unpatch_forward(module: nn.Module, previous: Callable[..., Any] | None) -> N
 def release_error(what: str, exc: BaseException) -> ExecutionError:
     """An `ExecutionError` for a failed effect, naming what was being done."""
     return ExecutionError(f"{what} failed: {exc}", name=what, value=type(exc).__name__)
+
+
+# ---- moving weights and putting them back (shared by the executors) ----------------------
+
+
+def host_owner(p: ParamPlan, store: HostStore) -> Ref | None:
+    """The (layer, name) whose host copy holds `p`'s data: its own if it has one, else the
+    parameter it is tied to (None when neither)."""
+    ref = (p.layer, p.name)
+    return ref if ref in store else p.tied_to
+
+
+def host_of(store: HostStore, ref: Ref) -> torch.Tensor:
+    """The host copy `ref` owns.
+
+    Raises:
+        ExecutionError: `ref` owns none.
+    """
+    host = store.get(ref)
+    if host is None:
+        raise ExecutionError(f"no host copy for layer {ref[0]} parameter {ref[1]!r}", name=ref[1], value=ref[0])
+    return host
+
+
+def roll_back(moved: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Point each parameter back at the data it held before it was moved, last move first
+    (so a Parameter moved under two tied names ends at the data it had first)."""
+    for param, data in reversed(moved):
+        param.data = data
+
+
+def raise_as_execution_error(exc: BaseException, what: str, name: str) -> NoReturn:
+    """Raise `exc` again if it is an `OffloadError` (already clear) or not an `Exception`
+    (KeyboardInterrupt); otherwise an `ExecutionError` saying ``what: exc``, from `exc`."""
+    if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
+        raise exc
+    raise ExecutionError(f"{what}: {exc}", name=name, value=type(exc).__name__) from exc
+
+
+def current_spec(p: ParamPlan, tensor: torch.Tensor) -> ParamSpec:
+    """What `p`'s parameter is now (its data `tensor`), for `revise_plan`: shape, strides,
+    dtype and storage identity of `tensor`, and the device it was planned on."""
+    return attrs.evolve(describe_tensor(p.layer, p.name, tensor), device=p.device)
+
+
+def copy_back(
+    plan: OffloadPlan,
+    layers: Sequence[nn.Module],
+    store: HostStore,
+    origin: Mapping[Ref, torch.device],
+    runtime: Runtime,
+) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], int]:
+    """Copy every offloaded parameter's host copy back to the device it came from.
+
+    Nothing is assigned here: the caller points each parameter at its tensor once every
+    copy succeeded, so a failed copy leaves the model as it was. Parameters that share a
+    host copy get one tensor, so ties survive; deleted parameters are skipped.
+
+    Returns:
+        (parameter, its restored data) for every live offloaded parameter, and how many
+        storages were copied.
+
+    Raises:
+        ExecutionError: a parameter has no host copy; a copy failed (from the runtime).
+    """
+    restored: dict[Ref, torch.Tensor] = {}
+    moves: list[tuple[nn.Parameter, torch.Tensor]] = []
+    for p in plan.offloaded_params:
+        param = find_parameter(layers[p.layer], p.name)
+        if param is None:
+            continue
+        owner = host_owner(p, store)
+        if owner is None or owner not in store:
+            raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
+                                 name=p.name, value=p.layer)
+        data = restored.get(owner)
+        if data is None:
+            data = restored[owner] = runtime.copy_to(host_of(store, owner), origin[owner])
+        moves.append((param, data))
+    return moves, len(restored)

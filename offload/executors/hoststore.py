@@ -36,15 +36,31 @@ class HostStore:
         self._pin = pin
         self._copies: dict[Ref, torch.Tensor] = {}
         self._unpinned: set[Ref] = set()  # owners whose pinned copy fell back to pageable
+        # Replaced copies that something may still read (a zero-copy view another parameter
+        # still points at): kept, and registered, until `release_retired` or `clear`.
+        self._retired: list[torch.Tensor] = []
 
-    def put(self, ref: Ref, tensor: torch.Tensor) -> torch.Tensor:
+    def put(self, ref: Ref, tensor: torch.Tensor, *, defer_release: bool = False) -> torch.Tensor:
         """Copy `tensor` to host memory for `ref` (releasing a copy `ref` held before).
+
+        Args:
+            ref: the owner of the copy.
+            tensor: the source, on any device.
+            defer_release: keep the copy `ref` held before (and its registration) until
+                `release_retired` or `clear`, instead of releasing it now: device views
+                of it may still be read.
 
         Raises:
             ExecutionError: the runtime could not make the copy.
         """
         host = self._rt.host_copy(tensor, pin=self._pin)
-        self.drop(ref)
+        if defer_release:
+            previous = self._copies.pop(ref, None)
+            self._unpinned.discard(ref)
+            if previous is not None:
+                self._retired.append(previous)
+        else:
+            self.drop(ref)
         self._copies[ref] = host
         if self._pin and host.numel() and not self._rt.is_pinned(host):
             self._unpinned.add(ref)
@@ -68,10 +84,17 @@ class HostStore:
         if host is not None:
             self._rt.release_host(host)
 
+    def release_retired(self) -> None:
+        """Release the copies `put` replaced with ``defer_release=True``."""
+        retired, self._retired = self._retired, []
+        for host in retired:
+            self._rt.release_host(host)
+
     def clear(self) -> None:
-        """Release every copy."""
+        """Release every copy, retired ones included."""
         for ref in list(self._copies):
             self.drop(ref)
+        self.release_retired()
 
     @property
     def fallbacks(self) -> int:
@@ -80,5 +103,5 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held, each storage once."""
-        return sum(t.untyped_storage().nbytes() for t in self._copies.values())
+        """Host bytes held, each storage once (retired copies included)."""
+        return sum(t.untyped_storage().nbytes() for t in (*self._copies.values(), *self._retired))

@@ -19,7 +19,6 @@ be waited on from a capture); copies issued inside it are waited on by event, an
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -28,15 +27,22 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from offload.describe import describe_tensor, storage_key
-from offload.errors import ExecutionError, OffloadError, PlanError
+from offload.describe import storage_key
+from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
+    Lifecycle,
     Ref,
     check_layers,
+    copy_back,
+    current_spec,
     find_parameter,
     first_float_tensor,
+    host_of,
+    host_owner,
     patch_forward,
+    raise_as_execution_error,
+    roll_back,
     torch_dtype,
     unpatch_forward,
 )
@@ -51,13 +57,6 @@ from offload.stats import OffloadStats
 __all__ = ["PrefetchOffloader"]
 
 log = logging.getLogger(__name__)
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    WRAPPED = "wrapped"
-    READY = "ready"
-    RESTORED = "restored"
 
 
 @final
@@ -78,7 +77,7 @@ class PrefetchOffloader:
                             name="backend", value=plan.backend.value)
         self._plan = plan
         self._rt = runtime
-        self._state = _State.NEW
+        self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
         self._host = HostStore(runtime, pin=plan.pin.pin)  # owner (layer, name) -> host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
@@ -120,7 +119,7 @@ class PrefetchOffloader:
             ExecutionError: called twice, or a host copy failed (the cause is attached).
             PlanError: the layers do not match the plan.
         """
-        if self._state is not _State.NEW:
+        if self._state is not Lifecycle.NEW:
             raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
                                  name="state", value=self._state.value)
         layers = list(layers)
@@ -135,21 +134,18 @@ class PrefetchOffloader:
                 moved.append((param, param.data))
                 param.data = host
         except BaseException as exc:
-            for param, data in reversed(moved):
-                param.data = data
+            roll_back(moved)
             self._host.clear()
             self._origin.clear()
-            if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
-                raise
-            raise ExecutionError(f"moving weights to host memory failed, model left as it was: {exc}",
-                                 name="wrap_modules", value=type(exc).__name__) from exc
+            raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
+                                     "wrap_modules")
         self._layers = layers
         self._handle = ops.register(self)
         # Hooks know their layer, not their schedule position: post_init may revise the
         # plan (a layer whose offloaded parameters were all deleted leaves the schedule).
         for index in self._plan.offloaded_layers:
             self._patched[index] = patch_forward(layers[index], functools.partial(self._wrap_forward, index))
-        self._state = _State.WRAPPED
+        self._state = Lifecycle.WRAPPED
         log.info("offloaded %d parameters of %d layers to host memory (%s)", len(self._origin),
                  len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable")
         return layers
@@ -167,7 +163,7 @@ class PrefetchOffloader:
             ExecutionError: not called exactly once after `wrap_modules`, or an allocation
                 or copy failed.
         """
-        if self._state is not _State.WRAPPED:
+        if self._state is not Lifecycle.WRAPPED:
             raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
                                  name="state", value=self._state.value)
         revised = revise_plan(self._plan, self._resync())
@@ -181,18 +177,15 @@ class PrefetchOffloader:
             # post_init can be retried or restore can run.
             for p in plan.offloaded_params:
                 param = find_parameter(self._layers[p.layer], p.name)
-                owner = (p.layer, p.name) if (p.layer, p.name) in self._host else p.tied_to
+                owner = host_owner(p, self._host)
                 host = self._host.get(owner) if owner is not None else None
                 if param is not None and host is not None:
                     param.data = host
             self._buffers.clear()
             self._copies = []
             self._pending.clear()
-            if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
-                raise
-            raise ExecutionError(f"post_init failed, weights left in host memory: {exc}",
-                                 name="post_init", value=type(exc).__name__) from exc
-        self._state = _State.READY
+            raise_as_execution_error(exc, "post_init failed, weights left in host memory", "post_init")
+        self._state = Lifecycle.READY
 
     def _allocate_and_start(self, plan: OffloadPlan) -> None:
         """Allocate the static buffers, point parameters at their slots, issue the first copies."""
@@ -237,9 +230,7 @@ class PrefetchOffloader:
             if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
                 # Replaced (or its tie was broken): its data gets its own host copy.
                 param.data = self._host.put(ref, param.data)
-            spec = describe_tensor(p.layer, p.name, param.data)
-            actual[ref] = ParamSpec(name=spec.name, shape=spec.shape, stride=spec.stride, dtype=spec.dtype,
-                                    itemsize=spec.itemsize, storage_key=spec.storage_key, device=p.device)
+            actual[ref] = current_spec(p, param.data)
         return actual
 
     # ---- the forward path -----------------------------------------------------------
@@ -296,7 +287,7 @@ class PrefetchOffloader:
             )
 
     def _position(self, layer: int) -> int | None:
-        if self._state is not _State.READY:
+        if self._state is not Lifecycle.READY:
             raise ExecutionError(
                 f"an offloaded layer ran before post_init() (state {self._state.value})",
                 name="state", value=self._state.value,
@@ -349,7 +340,7 @@ class PrefetchOffloader:
         Raises:
             ExecutionError: called before `post_init`.
         """
-        if self._state is not _State.READY:
+        if self._state is not Lifecycle.READY:
             raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
                                  name="state", value=self._state.value)
         self._rt.synchronize()
@@ -378,23 +369,13 @@ class PrefetchOffloader:
             ExecutionError: nothing to restore (never wrapped, or already restored), or a
                 device copy failed.
         """
-        if self._state not in (_State.WRAPPED, _State.READY):
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         self._rt.synchronize()
-        restored: dict[Ref, torch.Tensor] = {}
-        for p in self._plan.offloaded_params:
-            ref = (p.layer, p.name)
-            param = find_parameter(self._layers[p.layer], p.name)
-            if param is None:
-                continue
-            owner = ref if ref in self._host else p.tied_to
-            if owner is None or owner not in self._host:
-                raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
-                                     name=p.name, value=p.layer)
-            if owner not in restored:
-                restored[owner] = self._rt.copy_to(self._host_of(owner), self._origin[owner])
-            param.data = restored[owner]
+        moves, storages = copy_back(self._plan, self._layers, self._host, self._origin, self._rt)
+        for param, data in moves:
+            param.data = data
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
         ops.unregister(self._handle)
@@ -404,12 +385,12 @@ class PrefetchOffloader:
         self._host.clear()
         self._pending.clear()
         self._landed.clear()
-        self._state = _State.RESTORED
-        log.info("restored %d parameters", len(restored))
+        self._state = Lifecycle.RESTORED
+        log.info("restored %d parameters (%d storages)", len(moves), storages)
 
     def stats(self) -> OffloadStats:
         """Counters since `wrap_modules` (see `OffloadStats`)."""
-        active = self._state in (_State.WRAPPED, _State.READY)
+        active = self._state in (Lifecycle.WRAPPED, Lifecycle.READY)
         return OffloadStats(
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
@@ -423,7 +404,4 @@ class PrefetchOffloader:
         )
 
     def _host_of(self, ref: Ref) -> torch.Tensor:
-        host = self._host.get(ref)
-        if host is None:
-            raise ExecutionError(f"no host copy for layer {ref[0]} parameter {ref[1]!r}", name=ref[1], value=ref[0])
-        return host
+        return host_of(self._host, ref)

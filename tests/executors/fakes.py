@@ -5,7 +5,8 @@ together with the reads that `ProbeBlock` layers report, so a test can check the
 copies, events, waits and compute. Knobs:
 
 - ``fail_host_copy_at=k``: the k-th `host_copy` (counted from 0) raises `InjectedFailure`;
-  ``fail_device_empty_at=k`` likewise for `device_empty`.
+  ``fail_device_empty_at=k`` likewise for `device_empty`, ``fail_device_view_at=k`` for
+  `device_view`.
 - ``defer=True``: copies are queued and done only when the compute side waits for them
   (or on `synchronize`), as late as a real copy stream may finish them. A layer that read
   its buffer without waiting would then read stale data, and parity would fail.
@@ -143,6 +144,7 @@ class FakeRuntime:
         fail_host_copy_at: int | None = None,
         fail_device_empty_at: int | None = None,
         fail_pin_at: int | None = None,
+        fail_device_view_at: int | None = None,
         defer: bool = False,
     ) -> None:
         self._fail_pin_at = fail_pin_at
@@ -154,6 +156,8 @@ class FakeRuntime:
         self._fail_at = fail_host_copy_at
         self._fail_empty_at = fail_device_empty_at
         self.device_empties = 0
+        self._fail_view_at = fail_device_view_at
+        self.device_views = 0
         self._defer = defer
         self._queue: list[tuple[FakeEvent, torch.Tensor, torch.Tensor]] = []
         self.log: list[Entry] = []
@@ -200,8 +204,12 @@ class FakeRuntime:
         self._pinned.discard(host.data_ptr())
 
     def device_view(self, host: torch.Tensor) -> torch.Tensor:
-        """Log the view; the CPU reads host memory in place (the view is `host`)."""
+        """Log the view; fail if told to; the CPU reads host memory in place (the view is `host`)."""
+        index = self.device_views
+        self.device_views += 1
         self.log.append(View(shape=tuple(host.shape), pinned=self.is_pinned(host)))
+        if index == self._fail_view_at:
+            raise InjectedFailure(f"injected device_view failure #{index}")
         return self._cpu.device_view(host)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

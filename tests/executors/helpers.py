@@ -16,6 +16,7 @@ from offload import (
     OffloadPlan,
     Platform,
     PrefetchOffloader,
+    UVAOffloader,
     create_offloader,
     describe_layers,
     make_plan,
@@ -34,6 +35,7 @@ __all__ = [
     "prefetch",
     "snapshot",
     "tie_groups",
+    "uva",
 ]
 
 #: A CUDA platform as a plan sees it (nothing here touches a real GPU).
@@ -60,9 +62,12 @@ def on_compute_device(spec: ModelSpec, device: str = "cuda:0") -> ModelSpec:
     ))
 
 
-def cuda_like_plan(model: nn.Module, config: OffloadConfig, *, disable_pin_memory: bool) -> OffloadPlan:
-    """The plan a CUDA machine would make for `model`, with the pin switch as given."""
-    env = EnvSnapshot(flags=EnvFlags(disable_pin_memory=disable_pin_memory), platform=CUDA_LIKE)
+def cuda_like_plan(
+    model: nn.Module, config: OffloadConfig, *, disable_pin_memory: bool, disable_uva: bool = False
+) -> OffloadPlan:
+    """The plan a CUDA machine would make for `model`, with the pin and UVA switches as given."""
+    env = EnvSnapshot(flags=EnvFlags(disable_pin_memory=disable_pin_memory, disable_uva=disable_uva),
+                      platform=CUDA_LIKE)
     return make_plan(on_compute_device(describe_layers(layer_list(model))), config, env)
 
 
@@ -70,6 +75,13 @@ def prefetch(plan: OffloadPlan, runtime: Runtime | None = None) -> PrefetchOfflo
     """`create_offloader(plan, runtime)`, checked to be the prefetch executor."""
     offloader = create_offloader(plan, runtime)
     assert isinstance(offloader, PrefetchOffloader)
+    return offloader
+
+
+def uva(plan: OffloadPlan, runtime: Runtime | None = None) -> UVAOffloader:
+    """`create_offloader(plan, runtime)`, checked to be the UVA executor."""
+    offloader = create_offloader(plan, runtime)
+    assert isinstance(offloader, UVAOffloader)
     return offloader
 
 

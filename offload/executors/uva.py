@@ -1,0 +1,342 @@
+"""`UVAOffloader`: weights in host memory, read in place by the device, or copied to it
+for each call of their layer.
+
+It follows the plan and decides nothing. A parameter the plan places UVA points at a
+zero-copy device view of its host copy (`Runtime.device_view`): kernels read host memory
+over the link, so there are no buffers, no schedule and nothing in flight, and a forward
+is plain kernels that a CUDA graph can capture. A parameter placed ON_DEMAND (the plan's
+`UvaDecision` is off: the user's switch, no host mapping, pinning off, no CUDA) points at
+its host copy, and its layer's forward runs through `torch.func.functional_call` with a
+device copy of each such storage, made on the compute stream when the call starts.
+
+Host copies: one per storage (`HostStore`), pinned exactly when ``plan.pin.pin`` says;
+tied parameters, within a layer or across layers, share it and the one view of it, so
+ties stay ties. If pinning a UVA parameter's copy fails, that copy stays pageable
+(counted in `stats().pin_fallbacks`) and, since a pageable copy cannot be viewed, the
+parameter is copied on demand instead: the model keeps working.
+
+Lifecycle, as for the prefetch backend: `wrap_modules`, then `post_init` once the weights
+are final, then forwards, then `restore`. UVA layers carry no hook and already work after
+`wrap_modules`; an on-demand layer that runs before `post_init` raises `ExecutionError`,
+because post-processing may have replaced its weights and only `post_init` re-reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import torch
+from torch import nn
+
+from offload.describe import storage_key
+from offload.errors import ExecutionError, PlanError
+from offload.executors.common import (
+    Lifecycle,
+    Ref,
+    check_layers,
+    copy_back,
+    current_spec,
+    find_parameter,
+    host_of,
+    host_owner,
+    patch_forward,
+    raise_as_execution_error,
+    roll_back,
+    unpatch_forward,
+)
+from offload.executors.hoststore import HostStore
+from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
+from offload.protocols import Runtime
+from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
+from offload.pure.revise import revise_plan
+from offload.pure.spec import ParamSpec
+from offload.stats import OffloadStats
+
+__all__ = ["UVAOffloader"]
+
+log = logging.getLogger(__name__)
+
+_RUNS = frozenset({Placement.UVA, Placement.ON_DEMAND})
+
+
+@final
+class UVAOffloader:
+    """The UVA backend. Create it with `offload.create_offloader`.
+
+    Args:
+        plan: a plan whose backend is uva.
+        runtime: the effects to use (`CudaRuntime`, `CpuRuntime`, or a fake).
+
+    Raises:
+        PlanError: the plan's backend is not uva, it places a parameter other than UVA
+            or ON_DEMAND, or it places one UVA without enabling UVA and pinning.
+    """
+
+    def __init__(self, plan: OffloadPlan, runtime: Runtime) -> None:
+        if plan.backend is not Backend.UVA:
+            raise PlanError(f"UVAOffloader runs uva plans, got backend {plan.backend.value}",
+                            name="backend", value=plan.backend.value)
+        for p in plan.offloaded_params:
+            if p.placement not in _RUNS:
+                raise PlanError(f"parameter {p.layer}:{p.name} is placed {p.placement.value}; a uva plan places "
+                                "parameters uva or on_demand", name=p.name, value=p.placement.value)
+            if p.placement is Placement.UVA and not (plan.uva.enabled and plan.pin.pin):
+                raise PlanError(f"parameter {p.layer}:{p.name} is placed uva, but the plan has UVA "
+                                f"{'on' if plan.uva.enabled else 'off'} and pinning {'on' if plan.pin.pin else 'off'}; "
+                                "a zero-copy view needs both", name=p.name, value=p.placement.value)
+        self._plan = plan
+        self._rt = runtime
+        self._state = Lifecycle.NEW
+        self._layers: list[nn.Module] = []
+        self._host = HostStore(runtime, pin=plan.pin.pin)  # owner (layer, name) -> host copy
+        self._data: dict[Ref, torch.Tensor] = {}  # owner -> what its parameters point at
+        self._viewed: set[Ref] = set()  # owners whose parameters point at a device view
+        self._sources: dict[str, torch.Tensor] = {}  # storage key of a view made here -> its host copy
+        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
+        self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
+        self._on_demand: dict[int, Entries] = {}  # layer -> (name, owner) copied per call
+        self._dropped = 0
+        self._copies_issued = 0
+        self._bytes_copied = 0
+
+    @property
+    def plan(self) -> OffloadPlan:
+        """The plan being run; after `post_init`, revised for parameters that post-processing
+        replaced or deleted."""
+        return self._plan
+
+    # ---- setup ----------------------------------------------------------------------
+
+    def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
+        """Move every planned parameter to host memory: UVA ones behind a device view,
+        on-demand ones with a forward that copies them in per call.
+
+        If anything fails, every parameter already moved is put back (the same Parameter
+        objects, bit for bit) and every host copy taken is released.
+
+        Args:
+            layers: the model's layers, the same ones (and order) the plan describes.
+
+        Returns:
+            The same layers, now offloaded.
+
+        Raises:
+            ExecutionError: called twice, or a host copy or view failed (the cause attached).
+            PlanError: the layers do not match the plan.
+        """
+        if self._state is not Lifecycle.NEW:
+            raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        layers = list(layers)
+        live = check_layers(self._plan, layers, self._rt.device)
+        moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        try:
+            for p in self._plan.offloaded_params:
+                ref = (p.layer, p.name)
+                param = live[ref]
+                if p.tied_to is None:
+                    self._host.put(ref, param.data)
+                data = self._attach(p, p.tied_to or ref)
+                self._origin[ref] = param.device
+                moved.append((param, param.data))
+                param.data = data
+        except BaseException as exc:
+            roll_back(moved)
+            self._forget()
+            raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
+                                     "wrap_modules")
+        self._layers = layers
+        self._hook_on_demand()
+        self._state = Lifecycle.WRAPPED
+        log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand",
+                 len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
+                 len(self._data) - len(self._viewed))
+        return layers
+
+    def _attach(self, p: ParamPlan, owner: Ref) -> torch.Tensor:
+        """What the parameters sharing `owner`'s host copy point at, made once per owner: a
+        device view for UVA (an empty device tensor when there is nothing to view), else
+        the host copy (on demand, or UVA whose pinning fell back)."""
+        data = self._data.get(owner)
+        if data is not None:
+            return data
+        host = host_of(self._host, owner)
+        if p.placement is Placement.UVA and host.numel() == 0:
+            data = self._rt.device_empty(tuple(host.shape), tuple(host.stride()), host.dtype)
+            self._viewed.add(owner)
+        elif p.placement is Placement.UVA and self._rt.is_pinned(host):
+            data = self._rt.device_view(host)
+            self._viewed.add(owner)
+            key = storage_key(data)
+            if key is not None:
+                self._sources[key] = host
+        else:
+            data = host
+        self._data[owner] = data
+        return data
+
+    def _hook_on_demand(self) -> None:
+        """Work out which parameters each layer copies per call; hook layers that need it."""
+        self._on_demand = on_demand_entries(self._plan.offloaded_params, self._host, self._viewed)
+        for layer in self._on_demand:
+            if layer not in self._patched:
+                self._patched[layer] = patch_forward(self._layers[layer], functools.partial(self._wrap_forward, layer))
+
+    def _forget(self) -> None:
+        """Release every host copy and forget what pointed at them."""
+        self._host.clear()
+        self._data.clear()
+        self._viewed.clear()
+        self._sources.clear()
+        self._origin.clear()
+
+    def post_init(self) -> None:
+        """After the weights are final: re-read every planned parameter by name.
+
+        Data that post-processing replaced gets a new host copy, pinned as the plan says,
+        and a new view when it is placed UVA; a deleted parameter is dropped and its copy
+        released. The plan is revised to match (UVA needs no buffers, so only shapes and
+        byte totals change). If it fails, parameters point at valid host copies and it can
+        be called again.
+
+        Raises:
+            ExecutionError: not called exactly once after `wrap_modules`, or a copy failed.
+        """
+        if self._state is not Lifecycle.WRAPPED:
+            raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        self._rt.synchronize()  # UVA layers may have run: nothing may read a copy released below
+        try:
+            actual, deleted = self._resync()
+            revised = revise_plan(self._plan, actual)
+        except BaseException as exc:
+            raise_as_execution_error(exc, "post_init failed, weights left in host memory", "post_init")
+        for ref in sorted(deleted):
+            self._host.drop(ref)
+            self._data.pop(ref, None)
+            self._viewed.discard(ref)
+            log.info("layer %d parameter %r was deleted by post-processing; dropped", *ref)
+        self._host.release_retired()
+        self._dropped += len(deleted)
+        self._sources.clear()  # only a re-read needs them, and post_init has succeeded
+        if revised is not self._plan:
+            log.info("post-processing changed offloaded parameters; plan revised")
+        self._plan = revised
+        self._hook_on_demand()
+        self._state = Lifecycle.READY
+
+    def _resync(self) -> tuple[dict[Ref, ParamSpec | None], set[Ref]]:
+        """Re-copy replaced data (old copies retired, not released: other parameters may
+        still point at them until they are re-read too); report what each parameter is."""
+        actual: dict[Ref, ParamSpec | None] = {}
+        deleted: set[Ref] = set()
+        for p in self._plan.offloaded_params:
+            ref = (p.layer, p.name)
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is None:
+                actual[ref] = None
+                deleted.add(ref)
+                continue
+            owner = host_owner(p, self._host)
+            expected = None if owner is None or owner in deleted else self._data.get(owner)
+            key = storage_key(param.data)
+            if expected is None or key is None or key != storage_key(expected):
+                # Replaced, or its owner was deleted: its own copy, read from the host copy
+                # behind it when it is one of our views (no device read of host memory).
+                source = self._sources.get(key) if key is not None else None
+                self._host.put(ref, param.data if source is None else source, defer_release=True)
+                self._data.pop(ref, None)
+                self._viewed.discard(ref)
+                param.data = self._attach(p, ref)
+            actual[ref] = current_spec(p, param.data)
+        return actual, deleted
+
+    # ---- the forward path -----------------------------------------------------------
+
+    def _wrap_forward(self, layer: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        call = LayerCall(self._layers[layer], forward)
+
+        def on_demand_forward(*args: Any, **kwargs: Any) -> Any:
+            entries = self._entries(layer)
+            if not entries:
+                return forward(*args, **kwargs)
+            if self._rt.is_capturing():
+                check_capturable(layer, entries, self._host, self._rt, self._plan.pin)
+            out, copies, nbytes = call_with_copies(call, entries, self._host, self._rt, args, kwargs)
+            self._copies_issued += copies
+            self._bytes_copied += nbytes
+            return out
+
+        return on_demand_forward
+
+    def _entries(self, layer: int) -> Entries:
+        if self._state is not Lifecycle.READY:
+            raise ExecutionError(
+                f"layer {layer} copies its weights on demand and ran before post_init() (state "
+                f"{self._state.value}); post-processing may have replaced them: call post_init() first",
+                name="state", value=self._state.value,
+            )
+        return self._on_demand.get(layer, ())
+
+    # ---- CUDA graphs ----------------------------------------------------------------
+
+    def sync_prev_onload(self) -> None:
+        """Nothing to wait for: there is no copy stream. UVA kernels read host memory in
+        place, and on-demand copies are queued on the compute stream ahead of the kernels
+        that read them, so a capture or replay is ordered by the stream itself.
+
+        Raises:
+            ExecutionError: called before `post_init` (the same lifecycle as prefetch).
+        """
+        if self._state is not Lifecycle.READY:
+            raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
+                                 name="state", value=self._state.value)
+
+    def join_after_forward(self) -> None:
+        """Nothing to join: no work is forked off the compute stream."""
+
+    # ---- teardown and counters ------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put every weight back on its original device with its strides, bit for bit
+        (tied storages as one tensor); remove the hooks; release every host copy.
+
+        Raises:
+            ExecutionError: nothing to restore (never wrapped, or already restored), or a
+                copy back failed (the model is then left offloaded, and restore can be retried).
+        """
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+            raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        self._rt.synchronize()  # kernels may still read the host copies released below
+        try:
+            moves, storages = copy_back(self._plan, self._layers, self._host, self._origin, self._rt)
+        except BaseException as exc:
+            raise_as_execution_error(exc, "restore failed, model left offloaded", "restore")
+        for param, data in moves:
+            param.data = data
+        for index, previous in self._patched.items():
+            unpatch_forward(self._layers[index], previous)
+        self._patched.clear()
+        self._on_demand = {}
+        self._forget()
+        self._state = Lifecycle.RESTORED
+        log.info("restored %d parameters (%d storages)", len(moves), storages)
+
+    def stats(self) -> OffloadStats:
+        """Counters since `wrap_modules`: on-demand copies (UVA reads are not copies), host
+        bytes held, pin fallbacks; no device buffers."""
+        active = self._state in (Lifecycle.WRAPPED, Lifecycle.READY)
+        return OffloadStats(
+            params_offloaded=len(self._plan.offloaded_params) if active else 0,
+            params_dropped=self._dropped,
+            host_bytes=self._host.nbytes,
+            device_buffer_bytes=0,
+            copies_issued=self._copies_issued,
+            bytes_copied=self._bytes_copied,
+            wait_seconds=None,
+            pin_fallbacks=self._host.fallbacks,
+        )
