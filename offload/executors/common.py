@@ -151,11 +151,6 @@ def unpatch_forward(module: nn.Module, previous: Callable[..., Any] | None) -> N
     module.forward = previous
 
 
-def release_error(what: str, exc: BaseException) -> ExecutionError:
-    """An `ExecutionError` for a failed effect, naming what was being done."""
-    return ExecutionError(f"{what} failed: {exc}", name=what, value=type(exc).__name__)
-
-
 # ---- moving weights and putting them back (shared by the executors) ----------------------
 
 
