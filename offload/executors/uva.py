@@ -51,7 +51,7 @@ from offload.executors.hoststore import HostStore
 from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
-from offload.pure.revise import revise_plan
+from offload.pure.revise import demote_to_on_demand, revise_plan
 from offload.pure.spec import ParamSpec
 from offload.stats import OffloadStats
 
@@ -105,8 +105,15 @@ class UVAOffloader:
     @property
     def plan(self) -> OffloadPlan:
         """The plan being run; after `post_init`, revised for parameters that post-processing
-        replaced or deleted."""
-        return self._plan
+        replaced or deleted; UVA parameters whose pinning fell back are shown ON_DEMAND,
+        which is how they run."""
+        fallen = {
+            (p.layer, p.name)
+            for p in self._plan.offloaded_params
+            if p.placement is Placement.UVA and (owner := host_owner(p, self._host)) is not None
+            and owner not in self._viewed
+        }
+        return demote_to_on_demand(self._plan, fallen, "pinning their host copies failed (a view needs pinned memory)")
 
     # ---- setup ----------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ and `offloader.plan` keeps telling the truth.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 
@@ -19,7 +19,7 @@ from offload.pure.layout import prefetch_buffers
 from offload.pure.schedule import schedule_prefetch
 from offload.pure.spec import ParamSpec
 
-__all__ = ["revise_plan"]
+__all__ = ["demote_to_on_demand", "revise_plan"]
 
 Ref = tuple[int, str]
 
@@ -113,3 +113,25 @@ def revise_plan(plan: OffloadPlan, actual: Mapping[Ref, ParamSpec | None]) -> Of
         host_bytes=offloaded_bytes,
         warnings=(*plan.warnings, warning),
     )
+
+
+def demote_to_on_demand(plan: OffloadPlan, refs: Collection[Ref], reason: str) -> OffloadPlan:
+    """`plan` with the UVA parameters in `refs` placed ON_DEMAND instead, and a
+    PLAN_REVISED warning saying why (e.g. pinning their host copies failed, and a
+    zero-copy view needs pinned memory). `plan` itself when none of `refs` is UVA.
+    """
+    chosen = set(refs)
+    demoted = [
+        attrs.evolve(p, placement=Placement.ON_DEMAND)
+        if p.placement is Placement.UVA and (p.layer, p.name) in chosen
+        else p
+        for p in plan.params
+    ]
+    changed = [f"{p.layer}:{p.name}" for p, q in zip(plan.params, demoted, strict=True) if p is not q]
+    if not changed:
+        return plan
+    warning = PlanWarning(
+        code=WarningCode.PLAN_REVISED,
+        message=f"{reason}: {', '.join(changed)} copied to the device on demand instead of read in place",
+    )
+    return attrs.evolve(plan, params=tuple(demoted), warnings=(*plan.warnings, warning))

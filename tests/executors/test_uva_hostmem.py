@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, PinReason, Placement, UvaReason
+from offload import ExecutionError, PinReason, Placement, UvaReason, WarningCode
 from tests.executors.fakes import FakeRuntime, HostCopy, InjectedFailure, Release, ToDevice, View
 from tests.executors.helpers import assert_restored, inputs, patched_layers, snapshot, tie_groups, uva
 from tests.executors.models import (
@@ -207,6 +207,12 @@ def test_a_failed_pin_falls_back_to_on_demand_and_the_model_keeps_working(fail_p
     assert {(m.shape, m.pinned) for m in runtime.entries(ToDevice)} == {(fallen.shape, False)}
     stats = off.stats()
     assert (stats.pin_fallbacks, stats.copies_issued) == (1, 4)
+    # The reported plan shows how it runs: that one parameter on demand, and why.
+    reported = {(q.layer, q.name): q.placement for q in off.plan.offloaded_params}
+    assert reported[(fallen.layer, fallen.name)] is Placement.ON_DEMAND
+    assert sum(placement is Placement.UVA for placement in reported.values()) == len(reported) - 1
+    assert WarningCode.PLAN_REVISED in off.plan.warning_codes()
+    assert plan.warning_codes() == off.plan.warning_codes() - {WarningCode.PLAN_REVISED}
     # A graph capture needs pinned memory for the copy: refused for that layer, by name.
     off.sync_prev_onload()
     runtime.capturing = True

@@ -19,7 +19,7 @@ from offload import (
     contiguous_stride,
     make_plan,
 )
-from offload.pure.revise import revise_plan
+from offload.pure.revise import demote_to_on_demand, revise_plan
 
 GPU = EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=1 << 40, can_map_host_memory=True))
 
@@ -136,3 +136,17 @@ def test_device_bytes_freed_stays_zero_without_an_accelerator(has_cuda: bool) ->
     assert revised.offloaded_bytes == plan.offloaded_bytes - 8
     assert revised.device_bytes_freed == (revised.offloaded_bytes if has_cuda else 0)
     assert find(revised, 0, "extra") == []
+
+
+def test_demote_to_on_demand_changes_only_named_uva_parameters() -> None:
+    plan = make_plan(spec(2), OffloadConfig(uva_max_bytes=1 << 30), GPU)
+    assert {q.placement for q in plan.offloaded_params} == {Placement.UVA}
+    demoted = demote_to_on_demand(plan, {(1, "w"), (0, "missing")}, "pinning failed")
+    changed = [(q.layer, q.name) for q, r in zip(plan.params, demoted.params, strict=True) if q != r]
+    assert changed == [(1, "w")]
+    assert next(q for q in demoted.params if (q.layer, q.name) == (1, "w")).placement is Placement.ON_DEMAND
+    message = next(w.message for w in demoted.warnings if w.code is WarningCode.PLAN_REVISED)
+    assert message.startswith("pinning failed: 1:w copied to the device on demand")
+    assert (demoted.offloaded_bytes, demoted.host_bytes) == (plan.offloaded_bytes, plan.host_bytes)
+    assert demote_to_on_demand(plan, set(), "x") is plan
+    assert demote_to_on_demand(prefetch_plan(), {(0, "w")}, "x") == prefetch_plan()
