@@ -35,7 +35,7 @@ from offload.pure.profiles import (
     profile_for_device,
     profile_from_numbers,
 )
-from offload.pure.render import render_plan, render_table
+from offload.pure.render import render_plan
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
 from offload.pure.units import GIB, format_bytes
@@ -296,10 +296,17 @@ def _cmd_env(args: argparse.Namespace) -> int:
         if field.name == "probe_notes":
             continue
         value = getattr(snapshot.platform, field.name)
-        shown = f"{value} ({format_bytes(value)})" if field.name.endswith("_bytes") and value is not None else str(value)
+        if value is None:
+            shown = "unlimited" if field.name == "memlock_limit_bytes" else "unknown"
+        elif field.name.endswith("_bytes"):
+            shown = f"{value} ({format_bytes(value)})"
+        else:
+            shown = str(value) or "(none)"
         rows.append([f"  {field.name}", shown])
     rows.append(["  coherent unified memory", str(snapshot.platform.is_coherent_unified_memory)])
-    print(render_table(["", ""], rows).split("\n", 2)[2])
+    width = max(len(label) for label, _ in rows)
+    for label, shown in rows:
+        print(f"{label:<{width}}  {shown}")
     for note in snapshot.platform.probe_notes:
         print(f"  note: {note}")
     print("decisions:")
