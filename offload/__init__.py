@@ -14,33 +14,22 @@ from typing import TYPE_CHECKING, Any
 from offload import errors, protocols
 from offload.errors import CheckpointError, ConfigError, EnvError, ExecutionError, OffloadError, PlanError
 from offload.pure import (
-    DeviceProfile,
-    FitCandidate,
-    FitResult,
-    LayerEstimate,
-    PROFILES,
-    StepEstimate,
-    Workload,
-    estimate,
-    fit,
-    planning_env,
-    profile_by_name,
-    profile_for_device,
-    profile_from_numbers,
-    render_estimate,
-    render_fit,
-    revise_plan,
     COMPUTE_DEVICE,
     DTYPE_ITEMSIZE,
     ENV_VARIABLES,
     PLAN_FORMAT,
     PRESETS,
+    PROFILES,
     Backend,
     BackendName,
     BackendReason,
     BufferPlan,
+    DeviceProfile,
     EnvFlags,
     EnvSnapshot,
+    FitCandidate,
+    FitResult,
+    LayerEstimate,
     LayerSpec,
     ModelSpec,
     OffloadConfig,
@@ -53,18 +42,29 @@ from offload.pure import (
     PlanWarning,
     Platform,
     PrefetchSchedule,
+    StepEstimate,
     UvaDecision,
     UvaReason,
     WarningCode,
+    Workload,
     check_schedule,
     contiguous_stride,
     decide_pinning,
     decide_uva,
+    estimate,
+    fit,
     make_plan,
     parse_env,
+    planning_env,
     preset_spec,
+    profile_by_name,
+    profile_for_device,
+    profile_from_numbers,
+    render_estimate,
+    render_fit,
     render_plan,
     resolve_backend,
+    revise_plan,
     schedule_prefetch,
     segment_matches,
 )
@@ -72,14 +72,14 @@ from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
     from offload.capture import capture_env
+    from offload.checkpoint import read_checkpoint, spec_from_checkpoint
     from offload.create import create_offloader
+    from offload.describe import describe_layers
     from offload.executors.noop import NoopOffloader
     from offload.executors.prefetch import PrefetchOffloader
     from offload.executors.uva import UVAOffloader
     from offload.runtime.cpu import CpuRuntime
     from offload.runtime.cuda import CudaRuntime
-    from offload.checkpoint import read_checkpoint, spec_from_checkpoint
-    from offload.describe import describe_layers
 
 # Shell names that import torch, loaded on first attribute access (PEP 562).
 _LAZY = {

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from offload.pure.env import EnvSnapshot, Platform, parse_env
-from offload.pure.procfs import find_libcudart, is_wsl_release, parse_memlock_limit, parse_meminfo
+from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
 
 __all__ = [
     "ATTR_CAN_MAP_HOST_MEMORY",

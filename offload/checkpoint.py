@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import struct
-from pathlib import Path
 from io import RawIOBase
+from pathlib import Path
 from typing import NoReturn
 
 from offload.errors import CheckpointError

@@ -9,7 +9,6 @@ result says so.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time

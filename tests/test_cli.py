@@ -14,7 +14,6 @@ import pytest
 
 from offload import (
     Backend,
-    OffloadConfig,
     OffloadPlan,
     Placement,
     capture_env,

@@ -11,8 +11,6 @@ import hashlib
 import json
 from collections.abc import Mapping
 
-from typing import Any
-
 import attrs
 
 from offload.errors import EnvError, PlanError

@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import json
 
-from typing import Any
-
 import attrs
 
 from offload.errors import OffloadError, PlanError

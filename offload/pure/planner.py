@@ -5,13 +5,13 @@ from __future__ import annotations
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import EnvSnapshot
+from offload.pure.layout import prefetch_buffers
 from offload.pure.plan import (
     Backend,
     BackendReason,
     OffloadPlan,
     ParamPlan,
     Placement,
-    PlanWarning,
 )
 from offload.pure.schedule import check_schedule, schedule_prefetch
 from offload.pure.select import (
@@ -24,7 +24,6 @@ from offload.pure.select import (
     select_prefetch,
     select_uva,
 )
-from offload.pure.layout import prefetch_buffers
 from offload.pure.spec import ModelSpec
 from offload.pure.warn import PlanFacts, plan_warnings
 

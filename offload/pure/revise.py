@@ -14,8 +14,8 @@ from collections.abc import Collection, Mapping
 
 import attrs
 
-from offload.pure.plan import OffloadPlan, ParamPlan, Placement, PlanWarning, WarningCode
 from offload.pure.layout import prefetch_buffers
+from offload.pure.plan import OffloadPlan, ParamPlan, Placement, PlanWarning, WarningCode
 from offload.pure.schedule import schedule_prefetch
 from offload.pure.spec import ParamSpec
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-
 from typing import Any
 
 import attrs

@@ -11,7 +11,6 @@ import copy
 import gc
 import os
 from collections.abc import Iterator
-from typing import final
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from torch import nn
 
 from offload import (
     ENV_VARIABLES,
-    CudaRuntime,
     EnvSnapshot,
     ExecutionError,
     OffloadConfig,
@@ -31,6 +29,7 @@ from offload import (
     make_plan,
 )
 from tests.executors.models import TransformerBlock, bits, layer_list
+from tests.gpu.runtimes import RecordingCudaRuntime
 
 HIDDEN = 1024  # qkv 6 MiB, out 2 MiB, up and down 8 MiB each: about 24 MiB per layer in bf16
 TOKENS = 128
@@ -195,68 +194,12 @@ def test_device_memory_freed_matches_the_plan() -> None:
     assert abs(torch.cuda.memory_allocated() - before) <= 0.01 * expected  # all back, buffers gone
 
 
-@final
-class PinRecordingRuntime:
-    """A CudaRuntime that remembers, for every host copy, the pin asked for and whether the
-    host tensor it returned is pinned."""
-
-    def __init__(self) -> None:
-        self._cuda = CudaRuntime()
-        self.host_copies: list[tuple[bool, bool]] = []
-
-    @property
-    def device(self) -> torch.device:
-        return self._cuda.device
-
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
-        host = self._cuda.host_copy(tensor, pin=pin)
-        self.host_copies.append((pin, host.is_pinned()))
-        return host
-
-    def is_pinned(self, host: torch.Tensor) -> bool:
-        return self._cuda.is_pinned(host)
-
-    @property
-    def pin_fallbacks(self) -> int:
-        return self._cuda.pin_fallbacks
-
-    def release_host(self, host: torch.Tensor) -> None:
-        self._cuda.release_host(host)
-
-    def device_view(self, host: torch.Tensor) -> torch.Tensor:
-        return self._cuda.device_view(host)
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return self._cuda.to_device(host)
-
-    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._cuda.device_empty(shape, stride, dtype)
-
-    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return self._cuda.copy_to(tensor, device)
-
-    def record(self) -> torch.cuda.Event:
-        return self._cuda.record()
-
-    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
-        return self._cuda.copy_after(dst, src, after)
-
-    def wait(self, event: object) -> None:
-        self._cuda.wait(event)
-
-    def is_capturing(self) -> bool:
-        return self._cuda.is_capturing()
-
-    def synchronize(self) -> None:
-        self._cuda.synchronize()
-
-
 @pytest.mark.parametrize("pin", [True, False], ids=["pin-on", "pin-disabled"])
 def test_host_storage_is_pinned_exactly_when_the_plan_says(pin: bool) -> None:
     model = gpu_model(3)
     reference = copy.deepcopy(model)
     plan = plan_for(model, OffloadConfig(group_size=1, prefetch_step=2), pin=pin)
-    runtime = PinRecordingRuntime()
+    runtime = RecordingCudaRuntime()
     off = create_offloader(plan, runtime)
     layers = layer_list(model)
     off.wrap_modules(layers)

@@ -21,7 +21,6 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import final
 
 import attrs
 import pytest
@@ -44,6 +43,7 @@ from offload import (
 from offload.protocols import Offloader
 from tests.executors.models import TransformerBlock, bits, layer_list
 from tests.executors.uva_helpers import OptionalTiedBlock
+from tests.gpu.runtimes import RecordingCudaRuntime
 
 HIDDEN = 1024
 TOKENS = 64
@@ -80,62 +80,7 @@ def gpu_inputs(seed: int, count: int, hidden: int = HIDDEN) -> Iterator[torch.Te
         yield torch.randn(2, TOKENS, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
 
 
-@final
-class HostRecordingRuntime:
-    """A CudaRuntime that remembers (data pointer, bytes) of every host copy it made."""
-
-    def __init__(self) -> None:
-        self._cuda = CudaRuntime()
-        self.hosts: list[tuple[int, int]] = []
-
-    @property
-    def device(self) -> torch.device:
-        return self._cuda.device
-
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
-        host = self._cuda.host_copy(tensor, pin=pin)
-        self.hosts.append((host.data_ptr(), host.untyped_storage().nbytes()))
-        return host
-
-    def is_pinned(self, host: torch.Tensor) -> bool:
-        return self._cuda.is_pinned(host)
-
-    @property
-    def pin_fallbacks(self) -> int:
-        return self._cuda.pin_fallbacks
-
-    def release_host(self, host: torch.Tensor) -> None:
-        self._cuda.release_host(host)
-
-    def device_view(self, host: torch.Tensor) -> torch.Tensor:
-        return self._cuda.device_view(host)
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return self._cuda.to_device(host)
-
-    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._cuda.device_empty(shape, stride, dtype)
-
-    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return self._cuda.copy_to(tensor, device)
-
-    def record(self) -> torch.cuda.Event:
-        return self._cuda.record()
-
-    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
-        return self._cuda.copy_after(dst, src, after)
-
-    def wait(self, event: object) -> None:
-        self._cuda.wait(event)
-
-    def is_capturing(self) -> bool:
-        return self._cuda.is_capturing()
-
-    def synchronize(self) -> None:
-        self._cuda.synchronize()
-
-
-def offload(model: nn.Module, plan: OffloadPlan, runtime: HostRecordingRuntime | None = None) -> UVAOffloader:
+def offload(model: nn.Module, plan: OffloadPlan, runtime: RecordingCudaRuntime | None = None) -> UVAOffloader:
     off = create_offloader(plan, runtime)  # without one: the default for a CUDA plan, CudaRuntime
     assert isinstance(off, UVAOffloader)
     off.wrap_modules(layer_list(model))
@@ -158,7 +103,7 @@ def test_views_are_cuda_tensors_over_host_memory_with_equal_values() -> None:
         runtime.release_host(host)
 
     model = gpu_model()
-    recording = HostRecordingRuntime()
+    recording = RecordingCudaRuntime()
     plan = plan_for(model)
     off = offload(model, plan, recording)
     hosts = {pointer for pointer, _ in recording.hosts}
@@ -233,7 +178,7 @@ def mapping_rss(ranges: list[tuple[int, int]]) -> tuple[int, int]:
 
 def test_host_bytes_per_offloaded_byte_within_one_percent() -> None:
     model = gpu_model(6)
-    recording = HostRecordingRuntime()
+    recording = RecordingCudaRuntime()
     plan = plan_for(model)
     off = offload(model, plan, recording)
     ranges = [(pointer, nbytes) for pointer, nbytes in recording.hosts if nbytes]

@@ -115,22 +115,22 @@ _ONE_IN_TEN = st.integers(0, 9)
 _ONE_IN_EIGHT = st.integers(0, 7)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _permutations(ndim: int) -> st.SearchStrategy[list[int]]:
     return st.permutations(range(ndim))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one_of(values: tuple[str, ...]) -> st.SearchStrategy[str]:
     return st.sampled_from(values)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shapes(max_side: int) -> st.SearchStrategy[tuple[int, ...]]:
     return shapes(max_side=max_side)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _name_lists(max_params: int) -> st.SearchStrategy[list[str]]:
     return st.lists(_NAME, max_size=max_params, unique=True)
 

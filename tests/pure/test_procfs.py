@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offload.pure.procfs import find_libcudart, is_wsl_release, parse_memlock_limit, parse_meminfo
+from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
 
 MEMINFO_X86 = """\
 MemTotal:       24683656 kB

@@ -1,0 +1,88 @@
+"""`RecordingCudaRuntime`: a `CudaRuntime` that remembers every host copy it made."""
+
+from __future__ import annotations
+
+from typing import final
+
+import attrs
+import torch
+
+from offload import CudaRuntime
+
+__all__ = ["HostRecord", "RecordingCudaRuntime"]
+
+
+@attrs.frozen
+class HostRecord:
+    """One host copy: the pin asked for, whether the copy is pinned, its address and bytes."""
+
+    pin: bool
+    pinned: bool
+    ptr: int
+    nbytes: int
+
+
+@final
+class RecordingCudaRuntime:
+    """Delegates every effect to a real `CudaRuntime` and records each host copy."""
+
+    def __init__(self) -> None:
+        self._cuda = CudaRuntime()
+        self.records: list[HostRecord] = []
+
+    @property
+    def host_copies(self) -> list[tuple[bool, bool]]:
+        """(pin asked for, pinned) of each host copy."""
+        return [(r.pin, r.pinned) for r in self.records]
+
+    @property
+    def hosts(self) -> list[tuple[int, int]]:
+        """(data pointer, bytes) of each host copy."""
+        return [(r.ptr, r.nbytes) for r in self.records]
+
+    @property
+    def device(self) -> torch.device:
+        return self._cuda.device
+
+    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+        host = self._cuda.host_copy(tensor, pin=pin)
+        self.records.append(HostRecord(pin=pin, pinned=bool(host.is_pinned()), ptr=host.data_ptr(),
+                                       nbytes=host.untyped_storage().nbytes()))
+        return host
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        return self._cuda.is_pinned(host)
+
+    @property
+    def pin_fallbacks(self) -> int:
+        return self._cuda.pin_fallbacks
+
+    def release_host(self, host: torch.Tensor) -> None:
+        self._cuda.release_host(host)
+
+    def device_view(self, host: torch.Tensor) -> torch.Tensor:
+        return self._cuda.device_view(host)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return self._cuda.to_device(host)
+
+    def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._cuda.device_empty(shape, stride, dtype)
+
+    def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return self._cuda.copy_to(tensor, device)
+
+    def record(self) -> torch.cuda.Event:
+        return self._cuda.record()
+
+    def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
+        return self._cuda.copy_after(dst, src, after)
+
+    def wait(self, event: object) -> None:
+        self._cuda.wait(event)
+
+    def is_capturing(self) -> bool:
+        return self._cuda.is_capturing()
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize()
