@@ -7,14 +7,28 @@ done event that the compute stream waits on before the layer that reads the buff
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import logging
+import os
+from collections.abc import Callable
 from typing import Any, final
 
 import torch
 
+from offload.capture import MAPS_PATH, read_proc_text
 from offload.errors import ExecutionError
+from offload.pure.procfs import find_libcudart
 from offload.runtime.cpu import host_empty_like
-from offload.runtime.hostmem import HostRegisterError, Register, RegisteredHost, Unregister, register_host_tensor
+from offload.runtime.hostmem import (
+    HostRegisterError,
+    Register,
+    RegisteredHost,
+    Unregister,
+    drain_retired,
+    register_host_tensor,
+    retired_count,
+)
 
 __all__ = ["CudaRuntime", "zero_copy_view"]
 
@@ -40,6 +54,24 @@ class _HostArray:
             "data": (host.data_ptr(), False),
             "version": 3,
         }
+
+
+def _last_error_clearer() -> Callable[[], None]:
+    """A call of ``cudaGetLastError`` in the libcudart torch loaded (found in
+    /proc/self/maps), or a no-op where it cannot be found."""
+    maps = read_proc_text(MAPS_PATH)
+    path = find_libcudart(maps) if maps is not None else None
+    if path is None:
+        log.debug("libcudart not found in %s: CUDA errors of failed pinning are not cleared", MAPS_PATH)
+        return lambda: None
+    try:
+        function = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError
+    except (OSError, AttributeError) as exc:
+        log.debug("cannot use cudaGetLastError from %s: %s", path, exc)
+        return lambda: None
+    function.restype = ctypes.c_int
+    function.argtypes = ()
+    return lambda: None if function() is None else None
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -69,8 +101,24 @@ class CudaRuntime:
         self._registered: dict[int, RegisteredHost] = {}  # host data_ptr -> its registration
         self._fallbacks = 0
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
-        self._register: Register = lambda pointer, nbytes: int(cudart.cudaHostRegister(pointer, nbytes, 0))
-        self._unregister: Unregister = lambda pointer: int(cudart.cudaHostUnregister(pointer))
+        clear = _last_error_clearer()
+
+        # A failed call leaves its error as CUDA's "last error", which torch reports at the
+        # next kernel launch, far from here; clear it so a fallback stays a fallback.
+        def register(pointer: int, nbytes: int) -> int:
+            status = int(cudart.cudaHostRegister(pointer, nbytes, 0))
+            if status:
+                clear()
+            return status
+
+        def unregister(pointer: int) -> int:
+            status = int(cudart.cudaHostUnregister(pointer))
+            if status:
+                clear()
+            return status
+
+        self._register: Register = register
+        self._unregister: Unregister = unregister
 
     @property
     def device(self) -> torch.device:
@@ -99,7 +147,14 @@ class CudaRuntime:
             ) from exc
         return host
 
+    def _drain(self) -> None:
+        """Unregister host memory whose tensors died unreleased (never inside a capture)."""
+        if retired_count() and not torch.cuda.is_current_stream_capturing():
+            for status in drain_retired():
+                log.warning("cudaHostUnregister of retired host memory failed with cudaError %d", status)
+
     def _pinned_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._drain()
         try:
             registered = register_host_tensor(
                 tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
@@ -127,12 +182,10 @@ class CudaRuntime:
     def release_host(self, host: torch.Tensor) -> None:
         """Unregister `host`'s pages (their memory is freed when the tensor is)."""
         registered = self._registered.pop(host.data_ptr(), None)
-        if registered is None:
-            return
-        for pointer, _ in registered.pieces:
-            status = self._unregister(pointer)
-            if status != 0:
+        if registered is not None:
+            for status in registered.unregister_now(self._unregister):
                 log.warning("cudaHostUnregister failed with cudaError %d", status)
+        self._drain()
 
     def device_view(self, host: torch.Tensor) -> torch.Tensor:
         """A zero-copy device view of registered `host` (``__cuda_array_interface__``).
@@ -143,6 +196,11 @@ class CudaRuntime:
         if not self.is_pinned(host):
             raise ExecutionError("a zero-copy view needs page-locked host memory; this tensor is pageable",
                                  name="device_view", value=tuple(host.shape))
+        if importlib.util.find_spec("numpy") is None:
+            # torch builds a tensor from __cuda_array_interface__ only with numpy present.
+            raise ExecutionError("zero-copy (UVA) views need numpy installed (torch parses the array "
+                                 "interface with it); pip install numpy, or set OFFLOAD_DISABLE_UVA=1",
+                                 name="numpy", value=None)
         try:
             return zero_copy_view(host, self._device)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -201,5 +259,6 @@ class CudaRuntime:
         return torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
-        """Block until the device is idle."""
+        """Block until the device is idle (and unregister memory retired meanwhile)."""
         torch.cuda.synchronize(self._device)
+        self._drain()

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from offload import CpuRuntime, ExecutionError
-from offload.runtime.hostmem import HostRegisterError, register_host_tensor, span_bytes
+from offload.runtime.hostmem import (
+    HostRegisterError,
+    drain_retired,
+    register_host_tensor,
+    retired_count,
+    span_bytes,
+)
 
 
 class FakeCudart:
@@ -99,3 +105,35 @@ def test_cpu_runtime_views_are_the_host_tensor_and_copies_are_separate() -> None
     assert torch.equal(host, source)  # releasing gives back registration only, never data
     with pytest.raises(ExecutionError, match="cannot pin"):
         runtime.host_copy(source, pin=True)
+
+
+def test_memory_that_dies_unreleased_is_unregistered_by_the_next_drain() -> None:
+    cudart = FakeCudart()
+    drain_retired()  # start from nothing pending
+    held = register_host_tensor((3000,), (1,), torch.float32, register=cudart.register,
+                                unregister=cudart.unregister, piece_bytes=4096)
+    pieces = held.pieces
+    view = held.tensor[10:20]
+    del held
+    gc.collect()
+    assert retired_count() == 0  # a view of the memory is still alive
+    del view
+    gc.collect()
+    assert retired_count() == 1
+    assert cudart.unregistered == []  # nothing is unregistered until the drain (not inside a capture)
+    assert drain_retired() == []
+    assert cudart.unregistered == [p for p, _ in reversed(pieces)]
+    assert retired_count() == 0
+
+
+def test_an_explicit_release_cancels_the_finalizer() -> None:
+    cudart = FakeCudart()
+    drain_retired()
+    held = register_host_tensor((1000,), (1,), torch.int8, register=cudart.register, unregister=cudart.unregister)
+    assert held.unregister_now(cudart.unregister) == []
+    assert held.unregister_now(cudart.unregister) == []  # at most once
+    assert cudart.unregistered == [held.pieces[0][0]]
+    del held
+    gc.collect()
+    assert retired_count() == 0 and drain_retired() == []
+    assert len(cudart.unregistered) == 1
