@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, PrefetchOffloader, capture_env, create_offloader, describe_layers, make_plan
+from offload.graphs import capture_forward
 
 LAYERS = 24
 HIDDEN = 4096
@@ -82,24 +83,6 @@ def step_time(run: Callable[[], object], *, warmup: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def captured(model: nn.Module, x: torch.Tensor, off: PrefetchOffloader | None) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one forward (warmed up on a side stream; joined when offloaded)."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(x)
-    torch.cuda.current_stream().wait_stream(side)
-    if off is not None:
-        off.sync_prev_onload()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(x)
-        if off is not None:
-            off.join_after_forward()
-    return graph
-
-
 def inputs() -> dict[int, torch.Tensor]:
     return {t: torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16) for t in TOKENS}
 
@@ -129,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     resident = {t: timed(forward_on(t)) for t in TOKENS}
     graph_x = xs[GRAPH_TOKENS].clone()
-    resident_graph = captured(model, graph_x, None)
+    resident_graph, _ = capture_forward(model, graph_x, None)
     resident_replay = timed(resident_graph.replay)
     del resident_graph
 
@@ -155,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             measured.append(("eager", t, timed(forward_on(t)), resident[t]))
         if plan.pin.pin:
             graph_x.copy_(xs[GRAPH_TOKENS])
-            graph = captured(model, graph_x, off)
+            graph, _ = capture_forward(model, graph_x, off)
             measured.append(("graph", GRAPH_TOKENS, timed(graph.replay), resident_replay))
             del graph
         else:

@@ -28,6 +28,7 @@ from offload import (
     describe_layers,
     make_plan,
 )
+from offload.graphs import capture_forward
 from tests.executors.models import TransformerBlock, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime
 
@@ -99,24 +100,6 @@ def test_parity_with_real_streams(config: OffloadConfig) -> None:
         assert torch.equal(model(x), reference(x))
 
 
-def capture(model: nn.Module, static_x: torch.Tensor, off: PrefetchOffloader | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm up on a side stream, then capture one forward (joined when offloaded)."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    if off is not None:
-        off.sync_prev_onload()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = model(static_x)
-        if off is not None:
-            off.join_after_forward()
-    return graph, static_out
-
-
 @pytest.mark.parametrize("config", CONFIGS[:3])
 def test_cuda_graph_capture_and_replay_parity(config: OffloadConfig) -> None:
     model = gpu_model()
@@ -125,9 +108,9 @@ def test_cuda_graph_capture_and_replay_parity(config: OffloadConfig) -> None:
     xs = list(gpu_inputs(seed=3, count=5))
     static_x = xs[0].clone()
     ref_x = xs[0].clone()
-    graph, static_out = capture(model, static_x, off)
+    graph, static_out = capture_forward(model, static_x, off)
     # The resident reference is captured too, so both sides run the same captured kernels.
-    ref_graph, ref_out = capture(reference, ref_x, None)
+    ref_graph, ref_out = capture_forward(reference, ref_x, None)
     for x in xs:
         static_x.copy_(x)
         ref_x.copy_(x)

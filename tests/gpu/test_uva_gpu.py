@@ -40,7 +40,7 @@ from offload import (
     describe_layers,
     make_plan,
 )
-from offload.protocols import Offloader
+from offload.graphs import capture_forward
 from tests.executors.models import TransformerBlock, bits, layer_list
 from tests.executors.uva_helpers import OptionalTiedBlock
 from tests.gpu.runtimes import RecordingCudaRuntime
@@ -194,24 +194,6 @@ def test_host_bytes_per_offloaded_byte_within_one_percent() -> None:
     off.restore()
 
 
-def capture(model: nn.Module, static_x: torch.Tensor, off: Offloader | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm up on a side stream, then capture one forward."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    if off is not None:
-        off.sync_prev_onload()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = model(static_x)
-        if off is not None:
-            off.join_after_forward()
-    return graph, static_out
-
-
 @pytest.mark.parametrize("uva", [True, False], ids=["uva", "on-demand-pinned"])
 def test_cuda_graph_capture_and_replay_parity(uva: bool) -> None:
     model = gpu_model()
@@ -219,8 +201,8 @@ def test_cuda_graph_capture_and_replay_parity(uva: bool) -> None:
     off = offload(model, plan_for(model, uva=uva))
     xs = list(gpu_inputs(seed=4, count=4))
     static_x, ref_x = xs[0].clone(), xs[0].clone()
-    graph, static_out = capture(model, static_x, off)
-    ref_graph, ref_out = capture(reference, ref_x, None)
+    graph, static_out = capture_forward(model, static_x, off)
+    ref_graph, ref_out = capture_forward(reference, ref_x, None)
     for x in xs:
         static_x.copy_(x)
         ref_x.copy_(x)
