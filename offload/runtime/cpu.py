@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from offload.errors import ExecutionError
+from offload.runtime.copies import span_chunks
 
 __all__ = ["CpuEvent", "CpuRuntime"]
 
@@ -85,7 +86,8 @@ class CpuRuntime:
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A separate copy, as a device copy would be, keeping the strides."""
         out = host_empty_like(host)
-        out.copy_(host)
+        for d, s in span_chunks(out, host):
+            d.copy_(s)
         return out
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -105,8 +107,10 @@ class CpuRuntime:
         return CpuEvent(next(self._counter))
 
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> CpuEvent:
-        """Copy now: on the CPU every earlier event has already happened."""
-        dst.copy_(src)
+        """Copy now (the span's bytes, as `CudaRuntime` copies them): on the CPU every
+        earlier event has already happened."""
+        for d, s in span_chunks(dst, src):
+            d.copy_(s)
         return CpuEvent(next(self._counter))
 
     def wait(self, event: object) -> None:

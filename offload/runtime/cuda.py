@@ -3,6 +3,8 @@
 Copies run on one side stream. Each copy first waits for an event recorded on the
 compute stream (so no buffer is overwritten while a kernel still reads it) and records a
 done event that the compute stream waits on before the layer that reads the buffer.
+Host-to-device copies move the source's byte span, one memcpy per registered piece
+(`offload.runtime.copies`), so strides with gaps never stage through pageable memory.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 from offload.capture import MAPS_PATH, read_proc_text
 from offload.errors import ExecutionError
 from offload.pure.procfs import find_libcudart
+from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
 from offload.runtime.hostmem import (
+    PIECE_BYTES,
     HostRegisterError,
     Register,
     RegisteredHost,
@@ -87,12 +91,14 @@ class CudaRuntime:
 
     Args:
         index: the CUDA device index; the current device when None.
+        piece_bytes: the largest range registered in one cudaHostRegister call (tests
+            make it small to exercise host copies in several pieces).
 
     Raises:
         ExecutionError: CUDA is not available.
     """
 
-    def __init__(self, index: int | None = None) -> None:
+    def __init__(self, index: int | None = None, *, piece_bytes: int = PIECE_BYTES) -> None:
         if not torch.cuda.is_available():
             raise ExecutionError("CudaRuntime needs a CUDA device; torch.cuda.is_available() is False",
                                  name="device", value="cuda")
@@ -100,6 +106,7 @@ class CudaRuntime:
         self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._registered: dict[int, RegisteredHost] = {}  # host data_ptr -> its registration
         self._fallbacks = 0
+        self._piece_bytes = piece_bytes
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
         clear = _last_error_clearer()
 
@@ -158,7 +165,7 @@ class CudaRuntime:
         try:
             registered = register_host_tensor(
                 tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-                register=self._register, unregister=self._unregister,
+                register=self._register, unregister=self._unregister, piece_bytes=self._piece_bytes,
             )
         except (HostRegisterError, OSError) as exc:
             self._fallbacks += 1
@@ -210,8 +217,15 @@ class CudaRuntime:
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A copy of `host` on the device, queued on the current stream, keeping strides."""
         out = torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=self._device)
-        out.copy_(host, non_blocking=self.is_pinned(host))
+        pinned = self.is_pinned(host)
+        for d, s in self._chunks(out, host):
+            d.copy_(s, non_blocking=pinned)
         return out
+
+    def _chunks(self, dst: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`span_chunks` with the pieces `host` is registered in (one memcpy per piece)."""
+        registered = self._registered.get(host.data_ptr())
+        return span_chunks(dst, host, registered.pieces if registered is not None else ())
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the device with exactly these strides."""
@@ -243,7 +257,8 @@ class CudaRuntime:
                 raise ExecutionError(f"not an event of this runtime: {after!r}", name="after", value=after)
             stream.wait_event(after)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for d, s in self._chunks(dst, src):
+                d.copy_(s, non_blocking=True)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # as above
         done.record(stream)
         return done

@@ -25,6 +25,7 @@ __all__ = [
     "OptionalParamBlock",
     "ProbeBlock",
     "SharedStorageBlock",
+    "SlicedBlock",
     "TiedBlock",
     "TransformerBlock",
     "TransposedBlock",
@@ -107,6 +108,19 @@ class TransposedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.linear(F.relu(F.linear(x, self.weight_t, self.bias)), self.weight)
+
+
+class SlicedBlock(nn.Module):
+    """A linear layer whose weight is every other column of a larger tensor, as a loader
+    that slices a fused checkpoint tensor gives it: its strides leave gaps, shape
+    (hidden, hidden), stride (2 * hidden, 2)."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(hidden, 2 * hidden) / hidden**0.5)[:, ::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.linear(x, self.weight)
 
 
 class Int8Linear(nn.Module):

@@ -38,9 +38,11 @@ from tests.executors.helpers import (
     tie_groups,
 )
 from tests.executors.models import (
+    HIDDEN,
     Float8Linear,
     Int8Linear,
     SharedStorageBlock,
+    SlicedBlock,
     TiedBlock,
     TransformerBlock,
     TransposedBlock,
@@ -621,3 +623,27 @@ def test_pin_on_means_every_host_copy_is_pinned() -> None:
     pins = [entry.pin for entry in runtime.entries(HostCopy)]
     assert len(pins) >= len(plan.offloaded_params) + 1
     assert set(pins) == {True}
+
+
+def test_sliced_weight_with_gaps_keeps_its_strides_and_parity() -> None:
+    """Strides that leave gaps: the buffer has them too, and the span copy fills it. The
+    reference is the model itself before offloading (a deep copy would be contiguous and
+    run a different GEMM)."""
+    model = nn.Sequential(*[SlicedBlock() for _ in range(4)])
+    layers = layer_list(model)
+    weights = [layer.get_parameter("weight").detach().clone() for layer in layers]
+    stride = layers[0].get_parameter("weight").stride()
+    assert stride == (2 * HIDDEN, 2)
+    expected = [model(x) for x in inputs(seed=11)]
+    plan = cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=1))
+    assert {(b.stride, b.nbytes) for b in plan.buffers} == {(stride, ((HIDDEN - 1) * (2 * HIDDEN + 2) + 1) * 4)}
+    off = prefetch(plan)
+    off.wrap_modules(layers)
+    off.post_init()
+    assert all(layer.get_parameter("weight").stride() == stride for layer in layers)
+    for x, want in zip(inputs(seed=11), expected, strict=True):
+        assert torch.equal(model(x), want)
+    off.restore()
+    for layer, weight in zip(layers, weights, strict=True):
+        assert layer.get_parameter("weight").stride() == stride
+        assert torch.equal(layer.get_parameter("weight"), weight)

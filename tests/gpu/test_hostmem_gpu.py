@@ -54,3 +54,27 @@ def test_runtime_host_copies_are_exact_size_and_released() -> None:
     torch.cuda.synchronize()
     runtime.release_host(host)
     assert not runtime.is_pinned(host)
+
+
+def test_runtime_copies_a_host_copy_in_several_pieces_inside_a_capture() -> None:
+    """A host copy registered in three pieces is copied piece by piece (each memcpy within
+    one registration), captured and replayed."""
+    runtime = CudaRuntime(piece_bytes=4 << 20)
+    weight = torch.randn(3 << 20, device="cuda")  # 12 MiB of float32
+    host = runtime.host_copy(weight, pin=True)
+    assert runtime.is_pinned(host) and runtime.pin_fallbacks == 0
+    buffer = runtime.device_empty((3 << 20,), (1,), torch.float32)
+    runtime.synchronize()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runtime.wait(runtime.copy_after(buffer, host, runtime.record()))  # warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    buffer.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runtime.wait(runtime.copy_after(buffer, host, runtime.record()))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, weight)
+    runtime.release_host(host)

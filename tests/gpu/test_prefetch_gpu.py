@@ -29,7 +29,7 @@ from offload import (
     make_plan,
 )
 from offload.graphs import capture_forward
-from tests.executors.models import TransformerBlock, bits, layer_list
+from tests.executors.models import SlicedBlock, TransformerBlock, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime
 
 HIDDEN = 1024  # qkv 6 MiB, out 2 MiB, up and down 8 MiB each: about 24 MiB per layer in bf16
@@ -225,3 +225,24 @@ def test_capture_with_pinning_disabled_raises_execution_error() -> None:
     off.restore()
     x = next(gpu_inputs(seed=8, count=1))
     assert torch.equal(model(x), reference(x))
+
+
+def test_sliced_weights_with_gaps_capture_and_replay() -> None:
+    """Weights whose strides leave gaps are copied as one byte span: no pageable staging,
+    so the copies can be captured (an element-wise copy_ would be refused in capture)."""
+    torch.manual_seed(9)
+    with torch.device("cuda"):
+        model = nn.Sequential(*[SlicedBlock(HIDDEN) for _ in range(4)]).to(torch.bfloat16).requires_grad_(False)
+    assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
+    xs = list(gpu_inputs(seed=10, count=3))
+    expected = [model(x) for x in xs]  # the model itself, resident (a deep copy would be contiguous)
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
+    static_x = xs[0].clone()
+    graph, static_out = capture_forward(model, static_x, off)
+    for x, want in zip(xs, expected, strict=True):
+        static_x.copy_(x)
+        off.sync_prev_onload()
+        graph.replay()
+        assert torch.equal(static_out, want)
+    off.restore()
+    assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
