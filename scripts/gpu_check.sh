@@ -14,24 +14,33 @@ PY=${PYTHON:-python3}
 LOG="${OUT:-/tmp}/gpu_check.log"
 # Without numpy, torch warns during compilation; the suite turns warnings into errors.
 NUMPY_FILTER="ignore:Failed to initialize NumPy"
+# Step limits add up to 540 s: one call fits the tool's 600 s limit with room to spare.
+FAILED=""
 step() { echo; echo "=== $* ($(date +%T))"; }
+run() {  # run <name> <seconds> <command...>: note a failure or timeout, go on
+  local name=$1 limit=$2; shift 2
+  step "$name"
+  timeout "$limit" "$@"
+  local rc=$?
+  [ "$rc" -eq 0 ] || { FAILED="$FAILED $name(rc=$rc)"; echo "=== $name: rc=$rc"; }
+}
 
-{
+main() {
   step "versions"
   $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
   $PY -c "import numpy; print('numpy', numpy.__version__)" || echo "numpy: missing (UVA views need it)"
-  step "offload env"
-  $PY -m offload env
-  step "GPU test tier"
-  timeout 420 $PY -m pytest -q -rfE --durations=10 -p no:cacheprovider -W "$NUMPY_FILTER" tests/gpu
-  step "bench_prefetch"
-  timeout 300 $PY benchmarks/bench_prefetch.py
-  step "bench_uva"
-  timeout 300 $PY benchmarks/bench_uva.py
-  step "demo on cuda"
-  timeout 120 $PY -m offload demo --device cuda --layers 16 --hidden 2048 --tokens 256
+  run "offload-env" 30 $PY -m offload env
+  run "gpu-tier" 220 $PY -m pytest -q -rfE --durations=10 -p no:cacheprovider -W "$NUMPY_FILTER" tests/gpu
+  run "bench_prefetch" 150 $PY benchmarks/bench_prefetch.py
+  run "bench_uva" 100 $PY benchmarks/bench_uva.py
+  run "demo-cuda" 40 $PY -m offload demo --device cuda --layers 16 --hidden 2048 --tokens 256
   if [ "${1:-}" = "--all" ]; then
-    step "CPU tiers on this machine's torch"
-    timeout 600 $PY -m pytest -q -p no:cacheprovider -W "$NUMPY_FILTER" tests --ignore=tests/gpu
+    run "cpu-tiers" 600 $PY -m pytest -q -p no:cacheprovider -W "$NUMPY_FILTER" tests --ignore=tests/gpu
   fi
-} 2>&1 | tee "$LOG"
+  echo
+  if [ -n "$FAILED" ]; then echo "=== gpu_check: FAILED:$FAILED"; return 1; fi
+  echo "=== gpu_check: every step passed"
+}
+
+set -o pipefail
+main "$@" 2>&1 | tee "$LOG"
