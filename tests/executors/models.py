@@ -115,9 +115,10 @@ class SlicedBlock(nn.Module):
     that slices a fused checkpoint tensor gives it: its strides leave gaps, shape
     (hidden, hidden), stride (2 * hidden, 2)."""
 
-    def __init__(self, hidden: int = HIDDEN) -> None:
+    def __init__(self, hidden: int = HIDDEN, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter((torch.randn(hidden, 2 * hidden) / hidden**0.5)[:, ::2])
+        # Made in its dtype: `Module.to(dtype)` would make a weight with gaps contiguous.
+        self.weight = nn.Parameter((torch.randn(hidden, 2 * hidden) / hidden**0.5).to(dtype)[:, ::2])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.linear(x, self.weight)

@@ -232,7 +232,7 @@ def test_sliced_weights_with_gaps_capture_and_replay() -> None:
     so the copies can be captured (an element-wise copy_ would be refused in capture)."""
     torch.manual_seed(9)
     with torch.device("cuda"):
-        model = nn.Sequential(*[SlicedBlock(HIDDEN) for _ in range(4)]).to(torch.bfloat16).requires_grad_(False)
+        model = nn.Sequential(*[SlicedBlock(HIDDEN, torch.bfloat16) for _ in range(4)]).requires_grad_(False)
     assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
     xs = list(gpu_inputs(seed=10, count=3))
     expected = [model(x) for x in xs]  # the model itself, resident (a deep copy would be contiguous)
