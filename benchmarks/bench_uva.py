@@ -3,14 +3,15 @@
 One run prints three tables:
 
 (a) Read bandwidth of a GEMM over a UVA weight. A 4096x16384 bf16 weight (128 MiB) is
-    copied to registered host memory (``CudaRuntime.host_copy(pin=True)``) and read in
+    copied to registered host memory (``CudaRuntime.host_copy(pin=PinMethod.REGISTER)``) and read in
     place through ``CudaRuntime.device_view`` by ``x @ W`` for 1, 16 and 256 tokens. The
     effective bandwidth is the weight's bytes over the GEMM's time (CUDA events, mean of
     20 back-to-back GEMMs), as a ratio to the pinned host-to-device copy bandwidth measured
     in the same run (median of 5 copies of 1 GiB). Target: at least 0.9.
 (b) Host bytes resident per offloaded byte. Four Llama-3-8B-shaped layers (q 4096x4096,
     k and v 1024x4096, o 4096x4096, gate and up 14336x4096, down 4096x14336; bf16,
-    1.6 GiB) are copied from the device into registered host memory, and, beside it, into
+    1.6 GiB) are copied from the device into page-locked host memory by each `PinMethod`
+    (registered in place; one cudaHostAlloc of the exact size), and, beside them, into
     ``torch.empty_strided(..., pin_memory=True)`` (PyTorch's caching host allocator). For
     each, the growth of the machine's used memory (the drop of ``MemAvailable`` in
     /proc/meminfo) is divided by the bytes offloaded. MemAvailable is the headline because
@@ -19,10 +20,10 @@ One run prints three tables:
     (/proc/self/status) is printed beside it as a cross-check (it cannot see the driver's
     pinned pages, so it reads near 0 for the caching allocator). Everything is freed
     between the two (the caching allocator's cache with ``torch._C._host_emptyCache()``).
-    Target for ours: at most 1.01.
+    Target for each of ours: at most 1.01.
 (c) Setup throughput: 6 GiB of bf16 weights (48 of 4096x16384) moved from the device to
-    page-locked host memory by ``CudaRuntime.host_copy(pin=True)``, beside
-    ``w.cpu().pin_memory()``, in GB/s. Target: at least 2x that baseline.
+    page-locked host memory by ``CudaRuntime.host_copy`` with each `PinMethod`, beside
+    ``w.cpu().pin_memory()``, in GB/s. Target for each: at least 2x that baseline.
 
 Run: ``python benchmarks/bench_uva.py`` (well under 3 minutes on an H200; needs about
 7 GiB of device memory and at most about 8 GiB of host memory at a time). Without CUDA it
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from offload import CudaRuntime
+from offload import CudaRuntime, PinMethod
 
 HIDDEN, INNER = 4096, 16384
 TOKENS = (1, 16, 256)
@@ -75,7 +76,9 @@ def release_cached_pinned() -> None:
     """Give the caching host allocator's pinned blocks back to the operating system."""
     gc.collect()
     torch.cuda.synchronize()
-    torch._C._host_emptyCache()
+    empty_cache = getattr(torch._C, "_host_emptyCache", None)  # private; present on CUDA builds
+    if empty_cache is not None:
+        empty_cache()
 
 
 def gpu_seconds(run: Callable[[], object], *, warmup: int = 3, repeat: int = 20) -> float:
@@ -95,7 +98,7 @@ def gpu_seconds(run: Callable[[], object], *, warmup: int = 3, repeat: int = 20)
 def read_bandwidth_rows(runtime: CudaRuntime, copy_bw: float) -> list[tuple[str, float, float]]:
     """(label, measured value, target) rows of table (a)."""
     weight = torch.randn(HIDDEN, INNER, device="cuda", dtype=torch.bfloat16)
-    host = runtime.host_copy(weight, pin=True)
+    host = runtime.host_copy(weight, pin=PinMethod.REGISTER)
     if not runtime.is_pinned(host):
         print("(a) skipped: registering host memory failed, so there is nothing to view")
         return []
@@ -148,39 +151,48 @@ def resident_per_byte(weights: list[torch.Tensor], copy_out: Callable[[torch.Ten
     return used / offloaded, grown / offloaded
 
 
+METHODS = (PinMethod.REGISTER, PinMethod.ALLOC)
+
+
 def host_memory_rows(runtime: CudaRuntime) -> list[tuple[str, float, float]]:
     """Rows of table (b)."""
     weights = [torch.randn(shape, device="cuda", dtype=torch.bfloat16)
                for _ in range(LLAMA_LAYERS) for shape in LLAMA_LAYER]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    held: list[torch.Tensor] = []
+    print(f"(b) host bytes resident per offloaded byte, {LLAMA_LAYERS} Llama-3-8B-shaped layers "
+          f"({nbytes / 2**30:.2f} GiB of bf16)")
+    print(f"    {'method':<44} {'MemAvailable':>12} {'RSS':>6}  target")
+    rows = []
+    for method in METHODS:
+        held: list[torch.Tensor] = []
 
-    def ours(w: torch.Tensor) -> torch.Tensor:
-        host = runtime.host_copy(w, pin=True)
-        held.append(host)
-        return host
+        def ours(w: torch.Tensor, method: PinMethod = method, held: list[torch.Tensor] = held) -> torch.Tensor:
+            host = runtime.host_copy(w, pin=method)
+            held.append(host)
+            return host
+
+        used, rss = resident_per_byte(weights, ours)
+        fallbacks = sum(not runtime.is_pinned(h) for h in held)
+        for host in held:
+            runtime.release_host(host)
+        held.clear()
+        release_cached_pinned()
+        runtime.synchronize()  # frees allocations whose tensors died
+        label = f"CudaRuntime.host_copy(pin={method.value})"
+        print(f"    {label:<44} {used:>12.4f} {rss:>6.3f}  "
+              f"{'ok' if used <= RESIDENT_TARGET else 'MISS'} (<= {RESIDENT_TARGET})"
+              + (f"; {fallbacks} copies fell back to pageable" if fallbacks else ""))
+        rows.append((f"host bytes per byte ({method.value})", used, RESIDENT_TARGET))
 
     def caching(w: torch.Tensor) -> torch.Tensor:
         host = torch.empty_strided(tuple(w.shape), tuple(w.stride()), dtype=w.dtype, pin_memory=True)
         return host.copy_(w)
 
-    ours_used, ours_rss = resident_per_byte(weights, ours)
-    fallbacks = sum(not runtime.is_pinned(h) for h in held)
-    for host in held:
-        runtime.release_host(host)
-    held.clear()
-    release_cached_pinned()
     theirs_used, theirs_rss = resident_per_byte(weights, caching)
     release_cached_pinned()
-    print(f"(b) host bytes resident per offloaded byte, {LLAMA_LAYERS} Llama-3-8B-shaped layers "
-          f"({nbytes / 2**30:.2f} GiB of bf16)")
-    print(f"    {'method':<44} {'MemAvailable':>12} {'RSS':>6}  target")
-    print(f"    {'CudaRuntime.host_copy(pin=True) (registered)':<44} {ours_used:>12.4f} {ours_rss:>6.3f}  "
-          f"{'ok' if ours_used <= RESIDENT_TARGET else 'MISS'} (<= {RESIDENT_TARGET})"
-          + (f"; {fallbacks} copies fell back to pageable" if fallbacks else ""))
     print(f"    {'torch.empty_strided(pin_memory=True) + copy_':<44} {theirs_used:>12.4f} {theirs_rss:>6.3f}  "
           "(for comparison)")
-    return [("host bytes per byte", ours_used, RESIDENT_TARGET)]
+    return rows
 
 
 def setup_rows(runtime: CudaRuntime) -> list[tuple[str, float, float]]:
@@ -190,29 +202,33 @@ def setup_rows(runtime: CudaRuntime) -> list[tuple[str, float, float]]:
     torch.cuda.synchronize()
 
     start = time.perf_counter()
-    hosts = [runtime.host_copy(w, pin=True) for w in weights]
-    torch.cuda.synchronize()
-    ours = nbytes / (time.perf_counter() - start)
-    fallbacks = sum(not runtime.is_pinned(h) for h in hosts)
-    for host in hosts:
-        runtime.release_host(host)
-    del hosts
-    gc.collect()
-
-    start = time.perf_counter()
     baseline_hosts = [w.cpu().pin_memory() for w in weights]
     torch.cuda.synchronize()
     baseline = nbytes / (time.perf_counter() - start)
     del baseline_hosts
     release_cached_pinned()
 
-    ratio = ours / baseline
     print(f"(c) setup: {nbytes / 2**30:.0f} GiB of bf16 weights from the device to page-locked host memory")
-    print(f"    {'CudaRuntime.host_copy(pin=True)':<34} {ours / 1e9:>6.2f} GB/s"
-          + (f" ({fallbacks} fell back to pageable)" if fallbacks else ""))
-    print(f"    {'w.cpu().pin_memory()':<34} {baseline / 1e9:>6.2f} GB/s")
-    print(f"    ratio {ratio:.2f}  {'ok' if ratio >= SETUP_TARGET else 'MISS'} (>= {SETUP_TARGET})")
-    return [("setup ratio", ratio, SETUP_TARGET)]
+    print(f"    {'w.cpu().pin_memory()':<40} {baseline / 1e9:>6.2f} GB/s  (baseline)")
+    rows = []
+    for method in METHODS:
+        start = time.perf_counter()
+        hosts = [runtime.host_copy(w, pin=method) for w in weights]
+        torch.cuda.synchronize()
+        ours = nbytes / (time.perf_counter() - start)
+        fallbacks = sum(not runtime.is_pinned(h) for h in hosts)
+        for host in hosts:
+            runtime.release_host(host)
+        del hosts
+        gc.collect()
+        runtime.synchronize()  # frees allocations whose tensors died
+        ratio = ours / baseline
+        label = f"CudaRuntime.host_copy(pin={method.value})"
+        print(f"    {label:<40} {ours / 1e9:>6.2f} GB/s  ratio {ratio:.2f}  "
+              f"{'ok' if ratio >= SETUP_TARGET else 'MISS'} (>= {SETUP_TARGET})"
+              + (f" ({fallbacks} fell back to pageable)" if fallbacks else ""))
+        rows.append((f"setup ratio ({method.value})", ratio, SETUP_TARGET))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,6 +54,7 @@ ReadText = Callable[[str], str | None]
 # cudaDeviceAttr values from the CUDA runtime API (driver_types.h); see FACTS.md.
 ATTR_CAN_MAP_HOST_MEMORY = 19
 ATTR_PAGEABLE_MEMORY_ACCESS = 88
+ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91
 ATTR_HOST_REGISTER_SUPPORTED = 99
 ATTR_PAGEABLE_USES_HOST_PAGE_TABLES = 100
 
@@ -130,6 +131,11 @@ _ATTRIBUTES: tuple[tuple[int, str, str], ...] = (
     ),
     (ATTR_CAN_MAP_HOST_MEMORY, "cudaDevAttrCanMapHostMemory", "can_map_host_memory"),
     (ATTR_HOST_REGISTER_SUPPORTED, "cudaDevAttrHostRegisterSupported", "can_register_host_memory"),
+    (
+        ATTR_HOST_POINTER_FOR_REGISTERED_MEM,
+        "cudaDevAttrCanUseHostPointerForRegisteredMem",
+        "host_pointer_for_registered_memory",
+    ),
 )
 
 
@@ -144,6 +150,7 @@ class _DeviceFields:
     pageable_uses_host_page_tables: bool = False
     can_map_host_memory: bool = False
     can_register_host_memory: bool = False
+    host_pointer_for_registered_memory: bool = False
 
 
 def _probe_device(cuda: CudaProbe | None, notes: list[str]) -> _DeviceFields:
@@ -178,6 +185,7 @@ def _probe_device(cuda: CudaProbe | None, notes: list[str]) -> _DeviceFields:
         pageable_uses_host_page_tables=values["pageable_uses_host_page_tables"],
         can_map_host_memory=values["can_map_host_memory"],
         can_register_host_memory=values["can_register_host_memory"],
+        host_pointer_for_registered_memory=values["host_pointer_for_registered_memory"],
     )
 
 
@@ -251,6 +259,7 @@ def probe_platform(read_text: ReadText, cuda: CudaProbe | None, *, torch_version
         pageable_uses_host_page_tables=device.pageable_uses_host_page_tables,
         can_map_host_memory=device.can_map_host_memory,
         can_register_host_memory=device.can_register_host_memory,
+        host_pointer_for_registered_memory=device.host_pointer_for_registered_memory,
         is_wsl=is_wsl,
         memlock_limit_bytes=memlock,
         host_total_bytes=host_total,

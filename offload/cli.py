@@ -190,6 +190,7 @@ def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
         device_total_bytes=round(args.device_gib * GIB),
         can_map_host_memory=True,
         can_register_host_memory=True,
+        host_pointer_for_registered_memory=True,
         torch_version=snapshot.platform.torch_version,
         probe_notes=("a hypothetical device (--device-gib): host memory is not checked",),
     )
@@ -310,7 +311,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
     for note in snapshot.platform.probe_notes:
         print(f"  note: {note}")
     print("decisions:")
-    print(f"  pinning: {'on' if pin.pin else 'off'} [{pin.reason.value}] {pin.explanation}")
+    print(f"  pinning: {f'on ({pin.method_text})' if pin.pin else 'off'} [{pin.reason.value}] {pin.explanation}")
     print(f"  uva:     {'on' if uva.enabled else 'off'} [{uva.reason.value}] {uva.explanation}")
     print(f"snapshot fingerprint: {snapshot.fingerprint()}")
     return 0

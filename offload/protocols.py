@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from offload.pure.decisions import PinMethod
 from offload.pure.plan import OffloadPlan
 
 if TYPE_CHECKING:
@@ -71,15 +72,15 @@ class Runtime(Protocol):
         """The compute device (``cuda:0``, or ``cpu`` without an accelerator)."""
         ...
 
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
         """An exact-size host tensor with `tensor`'s shape, strides, dtype and values.
 
         Args:
             tensor: the source, on any device.
-            pin: page-lock the host memory (as the plan's `PinDecision` says). If pinning
-                fails for this tensor it is left pageable (see `is_pinned`), logged and
-                counted in `pin_fallbacks`; with ``pin=False`` nothing is ever pinned or
-                registered.
+            pin: how to page-lock the host memory: the plan's ``PinDecision.method``. If
+                pinning fails for this tensor it is left pageable (see `is_pinned`), logged
+                and counted in `pin_fallbacks`; with `PinMethod.NONE` nothing is ever
+                pinned, registered or allocated page-locked.
 
         Raises:
             ExecutionError: the allocation or copy failed.

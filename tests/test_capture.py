@@ -12,6 +12,7 @@ import torch
 
 from offload.capture import (
     ATTR_CAN_MAP_HOST_MEMORY,
+    ATTR_HOST_POINTER_FOR_REGISTERED_MEM,
     ATTR_HOST_REGISTER_SUPPORTED,
     ATTR_PAGEABLE_MEMORY_ACCESS,
     ATTR_PAGEABLE_USES_HOST_PAGE_TABLES,
@@ -87,7 +88,8 @@ class FakeCuda:
 
 
 H200_INFO = DeviceInfo(name="NVIDIA H200", total_bytes=150_754_820_096, major=9, minor=0, is_integrated=False)
-# FACTS.md, measured on an H200: 88 = 0, 100 = 0, 19 = 1, 99 = 1.
+# FACTS.md, measured on an H200: 88 = 0, 100 = 0, 19 = 1, 99 = 1. 91 is not in FACTS.md;
+# CUDA documents it as 1 wherever registered memory is read at the host address (x86).
 H200 = FakeCuda(
     info=H200_INFO,
     attributes={
@@ -95,6 +97,7 @@ H200 = FakeCuda(
         ATTR_PAGEABLE_USES_HOST_PAGE_TABLES: 0,
         ATTR_CAN_MAP_HOST_MEMORY: 1,
         ATTR_HOST_REGISTER_SUPPORTED: 1,
+        ATTR_HOST_POINTER_FOR_REGISTERED_MEM: 1,
     },
 )
 # Hardware-coherent unified memory: same compute capability as H100/H200, told apart by 88 and 100.
@@ -105,6 +108,7 @@ GH200 = FakeCuda(
         ATTR_PAGEABLE_USES_HOST_PAGE_TABLES: 1,
         ATTR_CAN_MAP_HOST_MEMORY: 1,
         ATTR_HOST_REGISTER_SUPPORTED: 1,
+        ATTR_HOST_POINTER_FOR_REGISTERED_MEM: 1,
     },
 )
 
@@ -121,6 +125,7 @@ def test_h200_is_described_from_properties_attributes_and_proc() -> None:
         pageable_uses_host_page_tables=False,
         can_map_host_memory=True,
         can_register_host_memory=True,
+        host_pointer_for_registered_memory=True,
         is_wsl=False,
         memlock_limit_bytes=None,
         host_total_bytes=2113929216 * 1024,
@@ -160,12 +165,13 @@ def test_unreadable_attributes_are_assumed_zero_with_one_note_per_reason(caplog:
         platform.pageable_uses_host_page_tables,
         platform.can_map_host_memory,
         platform.can_register_host_memory,
-    ) == (False, False, False, False)
+        platform.host_pointer_for_registered_memory,
+    ) == (False, False, False, False, False)
     assert platform.probe_notes == (
         "could not read cudaDevAttrPageableMemoryAccess (88), "
         "cudaDevAttrPageableMemoryAccessUsesHostPageTables (100), cudaDevAttrCanMapHostMemory (19), "
-        "cudaDevAttrHostRegisterSupported (99): libcudart is not mapped into this process "
-        "(/proc/self/maps); assumed 0",
+        "cudaDevAttrHostRegisterSupported (99), cudaDevAttrCanUseHostPointerForRegisteredMem (91): "
+        "libcudart is not mapped into this process (/proc/self/maps); assumed 0",
     )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"platform probe: {platform.probe_notes[0]}"]

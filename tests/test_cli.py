@@ -232,7 +232,7 @@ def test_env_json_matches_the_snapshot(capsys: pytest.CaptureFixture[str]) -> No
     snapshot = capture_env(os.environ)
     pin = decide_pinning(snapshot)
     assert document["fingerprint"] == snapshot.fingerprint()
-    assert document["pin"] == {"pin": pin.pin, "reason": pin.reason.value}
+    assert document["pin"] == {"pin": pin.pin, "reason": pin.reason.value, "method": pin.method.value}
     uva = decide_uva(snapshot, pin)
     assert document["uva"] == {"enabled": uva.enabled, "reason": uva.reason.value}
     assert document["snapshot"]["platform"]["has_cuda"] == snapshot.platform.has_cuda
@@ -244,7 +244,7 @@ def test_env_text_shows_decisions_and_units(capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     snapshot = capture_env(os.environ)
     pin = decide_pinning(snapshot)
-    assert f"pinning: {'on' if pin.pin else 'off'} [{pin.reason.value}]" in out
+    assert f"pinning: {f'on ({pin.method_text})' if pin.pin else 'off'} [{pin.reason.value}]" in out
     assert "device_total_bytes" in out and "memlock_limit_bytes" in out
     assert snapshot.fingerprint() in out
 

@@ -13,6 +13,7 @@ from typing import final
 import torch
 
 from offload.protocols import Runtime
+from offload.pure.decisions import PinMethod
 
 __all__ = ["HostStore", "Ref"]
 
@@ -28,10 +29,11 @@ class HostStore:
 
     Args:
         runtime: makes and releases the copies.
-        pin: the plan's pin decision; passed to every `Runtime.host_copy` unchanged.
+        pin: the plan's pin method (``plan.pin.method``); passed to every
+            `Runtime.host_copy` unchanged.
     """
 
-    def __init__(self, runtime: Runtime, *, pin: bool) -> None:
+    def __init__(self, runtime: Runtime, *, pin: PinMethod) -> None:
         self._rt = runtime
         self._pin = pin
         self._copies: dict[Ref, torch.Tensor] = {}
@@ -62,7 +64,7 @@ class HostStore:
         else:
             self.drop(ref)
         self._copies[ref] = host
-        if self._pin and host.numel() and not self._rt.is_pinned(host):
+        if self._pin is not PinMethod.NONE and host.numel() and not self._rt.is_pinned(host):
             self._unpinned.add(ref)
             log.info("layer %d parameter %r stays in pageable memory: pinning it failed", *ref)
         return host

@@ -79,7 +79,7 @@ class PrefetchOffloader:
         self._rt = runtime
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
-        self._host = HostStore(runtime, pin=plan.pin.pin)  # owner (layer, name) -> host copy
+        self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)

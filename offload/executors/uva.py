@@ -91,7 +91,7 @@ class UVAOffloader:
         self._rt = runtime
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
-        self._host = HostStore(runtime, pin=plan.pin.pin)  # owner (layer, name) -> host copy
+        self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
         self._data: dict[Ref, torch.Tensor] = {}  # owner -> what its parameters point at
         self._viewed: set[Ref] = set()  # owners whose parameters point at a device view
         self._sources: dict[str, torch.Tensor] = {}  # storage key of a view made here -> its host copy

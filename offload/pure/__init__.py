@@ -7,6 +7,7 @@ logs. Inputs and outputs are immutable values; the same inputs always give the s
 from offload.pure.config import BackendName, OffloadConfig, segment_matches
 from offload.pure.decisions import (
     PinDecision,
+    PinMethod,
     PinReason,
     UvaDecision,
     UvaReason,
@@ -67,6 +68,7 @@ __all__ = [
     "ParamPlan",
     "ParamSpec",
     "PinDecision",
+    "PinMethod",
     "PinReason",
     "Placement",
     "PlanWarning",

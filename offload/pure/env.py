@@ -124,6 +124,9 @@ class Platform:
             which zero-copy (UVA) views need (attribute 19).
         can_register_host_memory: existing host memory can be page-locked in place with
             cudaHostRegister (attribute 99).
+        host_pointer_for_registered_memory: the device reads registered host memory at the
+            host's own address (cudaDevAttrCanUseHostPointerForRegisteredMem, attribute 91),
+            which zero-copy views of registered memory rely on.
         is_wsl: running under Windows Subsystem for Linux, where pinned memory is limited.
         memlock_limit_bytes: the soft RLIMIT_MEMLOCK in bytes; None means unlimited.
         host_total_bytes: host RAM in bytes; None when unknown.
@@ -142,6 +145,7 @@ class Platform:
     pageable_uses_host_page_tables: bool = attrs.field(default=False, validator=is_bool(PlanError))
     can_map_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
     can_register_host_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
+    host_pointer_for_registered_memory: bool = attrs.field(default=False, validator=is_bool(PlanError))
     is_wsl: bool = attrs.field(default=False, validator=is_bool(PlanError))
     memlock_limit_bytes: int | None = attrs.field(default=None, validator=int_at_least(0, PlanError, optional=True))
     host_total_bytes: int | None = attrs.field(default=None, validator=int_at_least(0, PlanError, optional=True))

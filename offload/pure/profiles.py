@@ -267,6 +267,7 @@ def planning_env(env: EnvSnapshot, profile: DeviceProfile) -> EnvSnapshot:
         device_total_bytes=profile.device_memory_bytes,
         can_map_host_memory=True,
         can_register_host_memory=True,
+        host_pointer_for_registered_memory=True,
         pageable_memory_access=profile.coherent_unified_memory,
         pageable_uses_host_page_tables=profile.coherent_unified_memory,
         torch_version=env.platform.torch_version,

@@ -90,7 +90,7 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
     c = plan.config
     lines = [
         f"backend:  {plan.backend.value} ({plan.backend_reason.value.replace('_', ' ')})",
-        f"pinning:  {'on' if plan.pin.pin else 'off'}: {plan.pin.explanation}",
+        f"pinning:  {f'on ({plan.pin.method_text})' if plan.pin.pin else 'off'}: {plan.pin.explanation}",
         f"uva:      {'on' if plan.uva.enabled else 'off'}: {plan.uva.explanation}",
     ]
     if plan.backend is Backend.PREFETCH:

@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from offload.errors import ExecutionError
+from offload.pure.decisions import PinMethod
 from offload.runtime.copies import span_chunks
 
 __all__ = ["CpuEvent", "CpuRuntime"]
@@ -45,19 +46,20 @@ class CpuRuntime:
         """The CPU."""
         return torch.device("cpu")
 
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
         """A separate host tensor with the same shape, strides and values.
 
         Raises:
-            ExecutionError: `pin` is True (pinning needs CUDA; a plan made for a machine
-                without an accelerator never asks for it), or the copy failed.
+            ExecutionError: `pin` is not `PinMethod.NONE` (pinning needs CUDA; a plan
+                made for a machine without an accelerator never asks for it), or the copy
+                failed.
         """
-        if pin:
+        if pin is not PinMethod.NONE:
             raise ExecutionError(
                 "the CPU runtime cannot pin host memory; this plan was made for a CUDA "
                 "platform (run it with CudaRuntime, or plan for this machine)",
                 name="pin",
-                value=pin,
+                value=pin.value,
             )
         try:
             host = host_empty_like(tensor)

@@ -9,26 +9,22 @@ Host-to-device copies move the source's byte span, one memcpy per registered pie
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import logging
-import os
-from collections.abc import Callable
 from typing import Any, final
 
 import torch
 
-from offload.capture import MAPS_PATH, read_proc_text
 from offload.errors import ExecutionError
-from offload.pure.procfs import find_libcudart
+from offload.pure.decisions import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
+from offload.runtime.cudart import host_calls
 from offload.runtime.hostmem import (
     PIECE_BYTES,
+    HostAllocation,
     HostRegisterError,
-    Register,
-    RegisteredHost,
-    Unregister,
+    alloc_host_tensor,
     drain_retired,
     register_host_tensor,
     retired_count,
@@ -60,24 +56,6 @@ class _HostArray:
         }
 
 
-def _last_error_clearer() -> Callable[[], None]:
-    """A call of ``cudaGetLastError`` in the libcudart torch loaded (found in
-    /proc/self/maps), or a no-op where it cannot be found."""
-    maps = read_proc_text(MAPS_PATH)
-    path = find_libcudart(maps) if maps is not None else None
-    if path is None:
-        log.debug("libcudart not found in %s: CUDA errors of failed pinning are not cleared", MAPS_PATH)
-        return lambda: None
-    try:
-        function = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError
-    except (OSError, AttributeError) as exc:
-        log.debug("cannot use cudaGetLastError from %s: %s", path, exc)
-        return lambda: None
-    function.restype = ctypes.c_int
-    function.argtypes = ()
-    return lambda: None if function() is None else None
-
-
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device` that reads page-locked `host` in place, same shape, strides
     and dtype. Keep `host` alive as long as the view (the view holds it)."""
@@ -104,82 +82,68 @@ class CudaRuntime:
                                  name="device", value="cuda")
         self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # unannotated in torch
-        self._registered: dict[int, RegisteredHost] = {}  # host data_ptr -> its registration
+        self._locked: dict[int, HostAllocation] = {}  # host data_ptr -> its page-locked memory
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
-        clear = _last_error_clearer()
-
-        # A failed call leaves its error as CUDA's "last error", which torch reports at the
-        # next kernel launch, far from here; clear it so a fallback stays a fallback.
-        def register(pointer: int, nbytes: int) -> int:
-            status = int(cudart.cudaHostRegister(pointer, nbytes, 0))
-            if status:
-                clear()
-            return status
-
-        def unregister(pointer: int) -> int:
-            status = int(cudart.cudaHostUnregister(pointer))
-            if status:
-                clear()
-            return status
-
-        self._register: Register = register
-        self._unregister: Unregister = unregister
+        self._calls = host_calls(self._device)
 
     @property
     def device(self) -> torch.device:
         """The CUDA device."""
         return self._device
 
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
         """An exact-size host tensor with the same shape, strides and values.
 
-        Pinned copies are mapped pages registered in place (`register_host_tensor`),
-        never PyTorch's power-of-two pinned allocator. If registration fails, the tensor
-        stays pageable: logged once, counted in `pin_fallbacks`.
+        Pinned copies are page-locked as `pin` says: mapped pages registered in place
+        (`register_host_tensor`), or one page-locked allocation of the exact size
+        (`alloc_host_tensor`); never PyTorch's power-of-two pinned allocator. If that
+        fails, the tensor stays pageable: logged once, counted in `pin_fallbacks`.
 
         Raises:
             ExecutionError: the allocation or copy failed; the CUDA error is the cause.
         """
         try:
-            host = self._pinned_empty_like(tensor) if pin else host_empty_like(tensor)
+            host = host_empty_like(tensor) if pin is PinMethod.NONE else self._pinned_empty_like(tensor, pin)
             host.copy_(tensor)
         except RuntimeError as exc:
             raise ExecutionError(
-                f"host copy ({'pinned' if pin else 'pageable'}) of a {tuple(tensor.shape)} "
-                f"{tensor.dtype} tensor failed: {exc}",
+                f"host copy ({pin.value}) of a {tuple(tensor.shape)} {tensor.dtype} tensor failed: {exc}",
                 name="host_copy",
                 value=tuple(tensor.shape),
             ) from exc
         return host
 
     def _drain(self) -> None:
-        """Unregister host memory whose tensors died unreleased (never inside a capture)."""
+        """Give back host memory whose tensors died unreleased (never inside a capture)."""
         if retired_count() and not torch.cuda.is_current_stream_capturing():
             for status in drain_retired():
-                log.warning("cudaHostUnregister of retired host memory failed with cudaError %d", status)
+                log.warning("giving back retired page-locked host memory failed with cudaError %d", status)
 
-    def _pinned_empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pinned_empty_like(self, tensor: torch.Tensor, method: PinMethod) -> torch.Tensor:
+        if tensor.numel() == 0:
+            return host_empty_like(tensor)  # no memory to lock
         self._drain()
+        shape, stride, calls = tuple(tensor.shape), tuple(tensor.stride()), self._calls
         try:
-            registered = register_host_tensor(
-                tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-                register=self._register, unregister=self._unregister, piece_bytes=self._piece_bytes,
-            )
+            if method is PinMethod.REGISTER:
+                locked = register_host_tensor(shape, stride, tensor.dtype, register=calls.register,
+                                              unregister=calls.unregister, piece_bytes=self._piece_bytes)
+            else:
+                locked = alloc_host_tensor(shape, stride, tensor.dtype, alloc=calls.alloc, free=calls.free)
         except (HostRegisterError, OSError) as exc:
             self._fallbacks += 1
             if self._fallbacks == 1:
-                log.warning("pinning host memory failed (%s); this and later failures fall back to "
-                            "pageable memory, which is slower and cannot be captured in CUDA graphs", exc)
+                log.warning("pinning host memory (%s) failed (%s); this and later failures fall back to "
+                            "pageable memory, which is slower and cannot be captured in CUDA graphs",
+                            method.value, exc)
             return host_empty_like(tensor)
-        if registered.pieces:
-            self._registered[registered.tensor.data_ptr()] = registered
-        return registered.tensor
+        self._locked[locked.tensor.data_ptr()] = locked
+        return locked.tensor
 
     def is_pinned(self, host: torch.Tensor) -> bool:
-        """True when `host` is registered by this runtime (or otherwise page-locked)."""
-        return host.data_ptr() in self._registered or bool(host.is_pinned())
+        """True when `host` is page-locked by this runtime (or otherwise)."""
+        return host.data_ptr() in self._locked or bool(host.is_pinned())
 
     @property
     def pin_fallbacks(self) -> int:
@@ -187,10 +151,11 @@ class CudaRuntime:
         return self._fallbacks
 
     def release_host(self, host: torch.Tensor) -> None:
-        """Unregister `host`'s pages (their memory is freed when the tensor is)."""
-        registered = self._registered.pop(host.data_ptr(), None)
-        if registered is not None:
-            for status in registered.unregister_now(self._unregister):
+        """Give back `host`'s page-locked memory: registered pages are unregistered now
+        (they stay readable); an allocation is freed once no tensor uses it."""
+        locked = self._locked.pop(host.data_ptr(), None)
+        if locked is not None:
+            for status in locked.release():
                 log.warning("cudaHostUnregister failed with cudaError %d", status)
         self._drain()
 
@@ -200,6 +165,8 @@ class CudaRuntime:
         Raises:
             ExecutionError: `host` is not page-locked, or torch refused the pointer.
         """
+        if host.numel() == 0:
+            return torch.empty_strided(tuple(host.shape), tuple(host.stride()), dtype=host.dtype, device=self._device)
         if not self.is_pinned(host):
             raise ExecutionError("a zero-copy view needs page-locked host memory; this tensor is pageable",
                                  name="device_view", value=tuple(host.shape))
@@ -224,8 +191,8 @@ class CudaRuntime:
 
     def _chunks(self, dst: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`span_chunks` with the pieces `host` is registered in (one memcpy per piece)."""
-        registered = self._registered.get(host.data_ptr())
-        return span_chunks(dst, host, registered.pieces if registered is not None else ())
+        locked = self._locked.get(host.data_ptr())
+        return span_chunks(dst, host, locked.pieces if locked is not None else ())
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the device with exactly these strides."""

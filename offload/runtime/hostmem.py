@@ -1,17 +1,27 @@
-"""Exact-size page-locked host memory for weights, registered in place in bounded pieces.
+"""Exact-size page-locked host memory for weights: registered in place in bounded pieces,
+or allocated page-locked at exactly the size asked.
 
 PyTorch's pinned allocator (``pin_memory=True``) rounds every request up to a power of
 two: 1.78-1.98 resident bytes per byte asked for, measured (FACTS.md). Weights are the
-largest thing we put in host memory, so we never use it for them. Instead we map exactly
-the pages a tensor spans (anonymous ``mmap``, page-aligned) and page-lock them with
-``cudaHostRegister``, in pieces of at most `PIECE_BYTES` (one huge registration can fail
-and leave a sticky error). Registered memory is what zero-copy device views read.
+largest thing we put in host memory, so we never use it for them. Instead, as the plan's
+`PinMethod` says:
 
-Nothing here decides whether to pin: `CudaRuntime` calls it when the plan says so.
+- `register_host_tensor`: map exactly the pages a tensor spans (anonymous ``mmap``,
+  page-aligned) and page-lock them with ``cudaHostRegister``, in pieces of at most
+  `PIECE_BYTES` (one huge registration can fail and leave a sticky error).
+- `alloc_host_tensor`: one ``cudaHostAlloc`` of exactly the span, for devices that cannot
+  register memory in place or cannot read registered memory through the host pointer.
+
+Either memory is what zero-copy device views read. Registered pages are unregistered by
+`HostAllocation.release`; an allocation, and any memory whose last tensor died unreleased,
+is given back by the next `drain_retired` (never inside a CUDA graph capture). Nothing here decides whether or how to
+pin: `CudaRuntime` calls it as the plan says, with the CUDA calls injected (so tests can
+fail them).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import threading
@@ -24,8 +34,13 @@ import torch
 
 __all__ = [
     "PIECE_BYTES",
+    "Alloc",
+    "Free",
+    "HostAllocation",
     "HostRegisterError",
-    "RegisteredHost",
+    "Register",
+    "Unregister",
+    "alloc_host_tensor",
     "drain_retired",
     "register_host_tensor",
     "retired_count",
@@ -33,18 +48,24 @@ __all__ = [
 ]
 
 #: The largest range registered in one cudaHostRegister call, in bytes. Large enough that
-#: almost every weight is one registration (a copy spanning two may be treated as
-#: pageable), small enough to stay clear of the sizes where one call is known to fail.
+#: almost every weight is one registration, small enough to stay clear of the sizes where
+#: one call is known to fail. Copies are cut at piece ends (`offload.runtime.copies`).
 PIECE_BYTES = 2 << 30
 
 #: ``(pointer, nbytes) -> cudaError`` (0 for success): ``cudaHostRegister`` with flags 0.
 Register = Callable[[int, int], int]
 #: ``pointer -> cudaError``: ``cudaHostUnregister``.
 Unregister = Callable[[int], int]
+#: ``nbytes -> (cudaError, pointer)``: ``cudaHostAlloc``, portable and mapped.
+Alloc = Callable[[int], tuple[int, int]]
+#: ``pointer -> cudaError``: ``cudaFreeHost``.
+Free = Callable[[int], int]
+#: Gives memory back; returns the CUDA errors of the calls that failed, if any.
+Release = Callable[[], list[int]]
 
 
 class HostRegisterError(RuntimeError):
-    """cudaHostRegister refused a piece; every piece registered before it was undone."""
+    """cudaHostRegister or cudaHostAlloc refused; nothing stays registered or allocated."""
 
 
 def span_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -55,57 +76,104 @@ def span_bytes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -
 
 
 @attrs.frozen
-class RegisteredHost:
-    """A host tensor over mapped pages and the pieces registered for it.
+class HostAllocation:
+    """A host tensor over page-locked memory taken for it, and the way to give it back.
 
     Attributes:
         tensor: the host tensor (shape, strides and dtype as asked).
-        pieces: (pointer, bytes) of each registered range, to unregister.
-        mapping: the anonymous mapping the tensor lives in; kept alive with it.
-        finalizer: retires the registration when the last tensor over the memory dies
-            without `unregister_now` (see `drain_retired`).
+        pieces: (pointer, bytes) of each range registered separately, in address order;
+            empty for one allocation (a copy from it never needs cutting).
+        reserved_bytes: host bytes taken: the span rounded up to whole pages.
+        in_place: True for registered pages (they stay readable, as pageable memory, once
+            unregistered); False for an allocation, which must not be freed while any
+            tensor may still read it.
+        finalizer: retires the memory when the last tensor over it dies without
+            `release` (see `drain_retired`).
     """
 
     tensor: torch.Tensor
     pieces: tuple[tuple[int, int], ...]
-    mapping: mmap.mmap
+    reserved_bytes: int
+    in_place: bool
     finalizer: weakref.finalize[Any, Any]
 
-    def unregister_now(self, unregister: Unregister) -> list[int]:
-        """Unregister every piece (last first) and cancel the finalizer; the CUDA errors of
-        pieces that failed, if any."""
-        if self.finalizer.detach() is None:
-            return []  # already retired
-        return [status for pointer, _ in reversed(self.pieces) if (status := unregister(pointer)) != 0]
+    def release(self) -> list[int]:
+        """Give the memory back as soon as that is safe. Registered pages are unregistered
+        now (last piece first) and the finalizer cancelled; an allocation is left to the
+        finalizer, so it is freed by the first `drain_retired` after the last tensor over
+        it died (freeing it now could leave someone's tensor reading freed memory). Later
+        calls do nothing.
+
+        Returns:
+            The CUDA errors of the calls made now that failed, if any.
+        """
+        if not self.in_place:
+            return []
+        detached = self.finalizer.detach()
+        if detached is None:
+            return []  # already released or retired
+        release: Release = detached[2][0]
+        return release()
 
 
-# Registrations whose memory's last tensor died without an explicit release: the memory
-# stays mapped (the entry holds the mapping) until `drain_retired` unregisters it, which
+# Memory whose last tensor died without an explicit release: it stays mapped or allocated
+# (each entry's closure holds what it needs) until `drain_retired` gives it back, which
 # must not happen inside a CUDA graph capture, where a finalizer may run (gc) but CUDA
 # calls of this kind are not allowed.
-_retired: list[tuple[Unregister, tuple[tuple[int, int], ...], mmap.mmap]] = []
+_retired: list[Release] = []
 _retired_lock = threading.Lock()
 
 
-def _retire(unregister: Unregister, pieces: tuple[tuple[int, int], ...], mapping: mmap.mmap) -> None:
+def _retire(release: Release) -> None:
     with _retired_lock:
-        _retired.append((unregister, pieces, mapping))
+        _retired.append(release)
 
 
 def drain_retired() -> list[int]:
-    """Unregister the memory of host tensors that died without being released, then let
-    it be unmapped. Call outside CUDA graph capture. Returns the CUDA errors, if any."""
+    """Give back the memory of host tensors that died without being released. Call
+    outside CUDA graph capture. Returns the CUDA errors, if any."""
     with _retired_lock:
         pending = list(_retired)
         _retired.clear()
-    return [status for unregister, pieces, _ in pending for pointer, _ in reversed(pieces)
-            if (status := unregister(pointer)) != 0]
+    return [status for release in pending for status in release()]
 
 
 def retired_count() -> int:
-    """How many registrations wait for `drain_retired`."""
+    """How many allocations or registrations wait for `drain_retired`."""
     with _retired_lock:
         return len(_retired)
+
+
+def _unregister_pieces(unregister: Unregister, pieces: tuple[tuple[int, int], ...], mapping: mmap.mmap) -> Release:
+    """Unregisters `pieces`, last first. The closure holds `mapping`, so a registration
+    never outlives its memory (a stale one makes later registrations there fail)."""
+
+    def release() -> list[int]:
+        _ = mapping
+        return [status for pointer, _ in reversed(pieces) if (status := unregister(pointer)) != 0]
+
+    return release
+
+
+def _free_pointer(free: Free, pointer: int) -> Release:
+    def release() -> list[int]:
+        status = free(pointer)
+        return [status] if status != 0 else []
+
+    return release
+
+
+def _over(buffer: memoryview, nbytes: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+          *, pieces: tuple[tuple[int, int], ...], reserved: int, in_place: bool, release: Release) -> HostAllocation:
+    """The tensor of `shape`, `stride` and `dtype` over `buffer`'s first `nbytes` (an empty
+    one still holds the buffer), with a finalizer that retires `release` when the last
+    tensor over `buffer` dies: tensors hold the buffer, so the memory is valid until then."""
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=max(nbytes, 1))  # storage: the span, not the pages
+    tensor = torch.as_strided(flat[:nbytes].view(dtype), shape, stride)
+    finalizer = weakref.finalize(buffer, _retire, release)
+    finalizer.atexit = False
+    return HostAllocation(tensor=tensor, pieces=pieces, reserved_bytes=reserved, in_place=in_place,
+                          finalizer=finalizer)
 
 
 def register_host_tensor(
@@ -116,7 +184,7 @@ def register_host_tensor(
     register: Register,
     unregister: Unregister,
     piece_bytes: int = PIECE_BYTES,
-) -> RegisteredHost:
+) -> HostAllocation:
     """An uninitialised host tensor of exactly the pages it spans, page-locked in place.
 
     Args:
@@ -132,12 +200,8 @@ def register_host_tensor(
     nbytes = span_bytes(shape, stride, itemsize)
     pages = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     mapping = mmap.mmap(-1, pages)
-    # Tensors over the memory keep this memoryview alive, so its finalizer runs exactly
-    # when the last of them dies, while the mapping is still mapped: registration never
-    # outlives the memory (a stale registration makes later ones at that address fail).
     buffer = memoryview(mapping)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=max(nbytes, 1))
-    base = flat.data_ptr()
+    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
     done: list[tuple[int, int]] = []
     for offset in range(0, nbytes, piece_bytes):
         length = min(piece_bytes, nbytes - offset)
@@ -149,9 +213,37 @@ def register_host_tensor(
                 f"cudaHostRegister of {length} bytes at offset {offset} of {nbytes} failed with cudaError {status}"
             )
         done.append((base + offset, length))
-    typed = flat[:nbytes].view(dtype) if nbytes else torch.empty(0, dtype=dtype)
-    tensor = torch.as_strided(typed, shape, stride) if nbytes else torch.empty_strided(shape, stride, dtype=dtype)
     pieces = tuple(done)
-    finalizer = weakref.finalize(buffer, _retire, unregister, pieces, mapping)
-    finalizer.atexit = False
-    return RegisteredHost(tensor=tensor, pieces=pieces, mapping=mapping, finalizer=finalizer)
+    return _over(buffer, nbytes, shape, stride, dtype, pieces=pieces, reserved=pages, in_place=True,
+                 release=_unregister_pieces(unregister, pieces, mapping))
+
+
+def alloc_host_tensor(
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    alloc: Alloc,
+    free: Free,
+) -> HostAllocation:
+    """An uninitialised host tensor in one page-locked allocation of exactly its span.
+
+    Args:
+        shape, stride: in elements; the tensor keeps them.
+        dtype: its dtype.
+        alloc, free: the CUDA runtime calls (injected, so tests can fail them); `alloc`
+            may raise `HostRegisterError` itself (say, when cudaHostAlloc cannot be found).
+
+    Raises:
+        HostRegisterError: the allocation failed; nothing was taken.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = span_bytes(shape, stride, itemsize)
+    size = max(nbytes, 1)
+    status, pointer = alloc(size)
+    if status != 0 or pointer == 0:
+        raise HostRegisterError(f"cudaHostAlloc of {size} bytes failed with cudaError {status}")
+    buffer = memoryview((ctypes.c_ubyte * size).from_address(pointer)).cast("B")
+    reserved = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    return _over(buffer, nbytes, shape, stride, dtype, pieces=(), reserved=reserved, in_place=False,
+                 release=_free_pointer(free, pointer))

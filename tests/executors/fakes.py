@@ -11,7 +11,7 @@ copies, events, waits and compute. Knobs:
   (or on `synchronize`), as late as a real copy stream may finish them. A layer that read
   its buffer without waiting would then read stale data, and parity would fail.
 - ``capturing``: what `is_capturing` answers; toggle it to play a CUDA graph capture.
-- `host_copy` accepts ``pin=True`` (it records the request) and copies without pinning,
+- `host_copy` accepts any `PinMethod` (it records the request) and copies without pinning,
   so plans made for a CUDA-like platform run here; `is_pinned` then answers True for that
   copy (the fake plays pinned memory), unless ``fail_pin_at=k`` made the k-th pinned copy
   fall back to pageable (counted in `pin_fallbacks`, as a real runtime would).
@@ -27,6 +27,7 @@ from typing import TypeVar, final
 import attrs
 import torch
 
+from offload.pure.decisions import PinMethod
 from offload.runtime.cpu import CpuRuntime
 
 __all__ = [
@@ -62,7 +63,7 @@ class FakeEvent:
 class HostCopy:
     """`host_copy` was asked for a tensor of `shape`, with this `pin` argument."""
 
-    pin: bool
+    pin: PinMethod
     shape: tuple[int, ...]
 
 
@@ -172,15 +173,15 @@ class FakeRuntime:
     def _event(self) -> FakeEvent:
         return FakeEvent(next(self._numbers), self.capturing)
 
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
         """Record the request; fail if told to; copy (never pinned: there is no CUDA)."""
         index = self.host_copies
         self.host_copies += 1
         self.log.append(HostCopy(pin=pin, shape=tuple(tensor.shape)))
         if index == self._fail_at:
             raise InjectedFailure(f"injected host_copy failure #{index}")
-        host = self._cpu.host_copy(tensor, pin=False)
-        if pin:
+        host = self._cpu.host_copy(tensor, pin=PinMethod.NONE)
+        if pin is not PinMethod.NONE:
             request = self._pin_requests
             self._pin_requests += 1
             if request == self._fail_pin_at:
@@ -190,7 +191,7 @@ class FakeRuntime:
         return host
 
     def is_pinned(self, host: torch.Tensor) -> bool:
-        """True for copies made with ``pin=True`` that did not fall back."""
+        """True for copies asked to be pinned that did not fall back."""
         return host.numel() > 0 and host.data_ptr() in self._pinned
 
     @property

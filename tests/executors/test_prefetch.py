@@ -21,6 +21,7 @@ from offload import (
     ExecutionError,
     OffloadConfig,
     OffloadPlan,
+    PinMethod,
     PinReason,
     PlanError,
     WarningCode,
@@ -611,7 +612,7 @@ def test_regression_pin_off_means_no_pin_call_prefetch() -> None:
     _run_with_post_processing(plan, model, runtime)
     pins = [entry.pin for entry in runtime.entries(HostCopy)]
     assert len(pins) >= len(plan.offloaded_params) + 1  # the wrap and the re-copy were seen
-    assert set(pins) == {False}
+    assert set(pins) == {PinMethod.NONE}
 
 
 def test_pin_on_means_every_host_copy_is_pinned() -> None:
@@ -622,7 +623,7 @@ def test_pin_on_means_every_host_copy_is_pinned() -> None:
     _run_with_post_processing(plan, model, runtime)
     pins = [entry.pin for entry in runtime.entries(HostCopy)]
     assert len(pins) >= len(plan.offloaded_params) + 1
-    assert set(pins) == {True}
+    assert set(pins) == {plan.pin.method} and plan.pin.method is not PinMethod.NONE
 
 
 def test_sliced_weight_with_gaps_keeps_its_strides_and_parity() -> None:

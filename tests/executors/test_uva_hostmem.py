@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, PinReason, Placement, UvaReason, WarningCode
+from offload import ExecutionError, PinMethod, PinReason, Placement, UvaReason, WarningCode
 from tests.executors.fakes import FakeRuntime, HostCopy, InjectedFailure, Release, ToDevice, View
 from tests.executors.helpers import assert_restored, inputs, patched_layers, snapshot, tie_groups, uva
 from tests.executors.models import (
@@ -52,7 +52,7 @@ def test_regression_pin_off_means_no_pin_call_uva() -> None:
     off.restore()
     pins = [entry.pin for entry in runtime.entries(HostCopy)]
     assert len(pins) == len(plan.offloaded_params) + 1  # the wrap and the re-copy were seen
-    assert set(pins) == {False}
+    assert set(pins) == {PinMethod.NONE}
     assert runtime.entries(View) == []
     assert {entry.pinned for entry in runtime.entries(ToDevice)} == {False}
     assert {entry.pinned for entry in runtime.entries(Release)} == {False}
@@ -76,7 +76,7 @@ def test_pin_on_uva_on_one_pinned_copy_and_one_view_per_storage(make: Callable[[
     off.post_init()
     copies, views = runtime.entries(HostCopy), runtime.entries(View)
     assert len(copies) == len(views) == storages(plan)
-    assert {c.pin for c in copies} == {True} and {v.pinned for v in views} == {True}
+    assert {c.pin for c in copies} == {plan.pin.method} and {v.pinned for v in views} == {True}
     assert [c.shape for c in copies] == [v.shape for v in views]
     assert tie_groups(model) == ties  # tied names point at the one view
     for x in inputs(seed=2):
@@ -99,7 +99,7 @@ def test_pin_on_uva_off_copies_pinned_memory_on_demand() -> None:
     off.post_init()
     for x in inputs(seed=3):
         assert torch.equal(model(x), reference(x))
-    assert {c.pin for c in runtime.entries(HostCopy)} == {True}
+    assert {c.pin for c in runtime.entries(HostCopy)} == {plan.pin.method} != {PinMethod.NONE}
     assert runtime.entries(View) == []
     moved = runtime.entries(ToDevice)
     assert len(moved) == 4 * copies_per_forward(plan)[0] and {m.pinned for m in moved} == {True}

@@ -7,16 +7,16 @@ from typing import final
 import attrs
 import torch
 
-from offload import CudaRuntime
+from offload import CudaRuntime, PinMethod
 
 __all__ = ["HostRecord", "RecordingCudaRuntime"]
 
 
 @attrs.frozen
 class HostRecord:
-    """One host copy: the pin asked for, whether the copy is pinned, its address and bytes."""
+    """One host copy: the pin method asked for, whether the copy is pinned, its address and bytes."""
 
-    pin: bool
+    pin: PinMethod
     pinned: bool
     ptr: int
     nbytes: int
@@ -32,8 +32,8 @@ class RecordingCudaRuntime:
 
     @property
     def host_copies(self) -> list[tuple[bool, bool]]:
-        """(pin asked for, pinned) of each host copy."""
-        return [(r.pin, r.pinned) for r in self.records]
+        """(pinning asked for, pinned) of each host copy."""
+        return [(r.pin is not PinMethod.NONE, r.pinned) for r in self.records]
 
     @property
     def hosts(self) -> list[tuple[int, int]]:
@@ -44,7 +44,7 @@ class RecordingCudaRuntime:
     def device(self) -> torch.device:
         return self._cuda.device
 
-    def host_copy(self, tensor: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    def host_copy(self, tensor: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
         host = self._cuda.host_copy(tensor, pin=pin)
         self.records.append(HostRecord(pin=pin, pinned=bool(host.is_pinned()), ptr=host.data_ptr(),
                                        nbytes=host.untyped_storage().nbytes()))

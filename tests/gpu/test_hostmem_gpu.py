@@ -1,12 +1,14 @@
-"""Registered host memory on a real device: a tensor registered in several pieces behaves
-as pinned memory, including inside a CUDA graph capture (weights over PIECE_BYTES are
-registered that way)."""
+"""Page-locked host memory on a real device: a tensor registered in several pieces is
+copied piece by piece, including inside a CUDA graph capture (weights over PIECE_BYTES are
+registered that way); exact-size registrations and allocations, views, release."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from offload import CudaRuntime
+from offload import CudaRuntime, PinMethod
+from offload.runtime.copies import span_chunks
 from offload.runtime.hostmem import register_host_tensor
 
 
@@ -24,25 +26,31 @@ def test_a_tensor_registered_in_several_pieces_is_pinned_and_capturable() -> Non
     source.copy_(torch.arange(elements, dtype=torch.float32))
     assert source.is_pinned()
     target = torch.zeros(elements, device="cuda")
+    chunks = span_chunks(target, source, held.pieces)  # one memcpy per registered piece
+    assert len(chunks) == 3
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        target.copy_(source, non_blocking=True)  # warm-up outside the capture
+        for d, s in chunks:
+            d.copy_(s, non_blocking=True)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     target.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        target.copy_(source, non_blocking=True)
+        for d, s in chunks:
+            d.copy_(s, non_blocking=True)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(target.cpu(), source)
-    assert held.unregister_now(lambda pointer: int(cudart.cudaHostUnregister(pointer))) == []
+    del chunks
+    assert held.release() == []
 
 
-def test_runtime_host_copies_are_exact_size_and_released() -> None:
+@pytest.mark.parametrize("method", [PinMethod.REGISTER, PinMethod.ALLOC])
+def test_runtime_host_copies_are_exact_size_viewable_and_released(method: PinMethod) -> None:
     runtime = CudaRuntime()
     weight = torch.randn(1000, 3000, device="cuda", dtype=torch.bfloat16)
-    host = runtime.host_copy(weight, pin=True)
+    host = runtime.host_copy(weight, pin=method)
     assert runtime.is_pinned(host) and host.is_pinned()
     assert runtime.pin_fallbacks == 0
     assert host.untyped_storage().nbytes() == weight.numel() * weight.element_size()
@@ -53,7 +61,11 @@ def test_runtime_host_copies_are_exact_size_and_released() -> None:
     del view
     torch.cuda.synchronize()
     runtime.release_host(host)
-    assert not runtime.is_pinned(host)
+    # Registered pages are unregistered at once; an allocation stays page-locked until
+    # its last tensor (here `host`) dies, then the next drain frees it.
+    assert runtime.is_pinned(host) is (method is PinMethod.ALLOC)
+    del host
+    runtime.synchronize()
 
 
 def test_runtime_copies_a_host_copy_in_several_pieces_inside_a_capture() -> None:
@@ -61,7 +73,7 @@ def test_runtime_copies_a_host_copy_in_several_pieces_inside_a_capture() -> None
     one registration), captured and replayed."""
     runtime = CudaRuntime(piece_bytes=4 << 20)
     weight = torch.randn(3 << 20, device="cuda")  # 12 MiB of float32
-    host = runtime.host_copy(weight, pin=True)
+    host = runtime.host_copy(weight, pin=PinMethod.REGISTER)
     assert runtime.is_pinned(host) and runtime.pin_fallbacks == 0
     buffer = runtime.device_empty((3 << 20,), (1,), torch.float32)
     runtime.synchronize()

@@ -33,6 +33,7 @@ from offload import (
     ExecutionError,
     OffloadConfig,
     OffloadPlan,
+    PinMethod,
     Placement,
     UVAOffloader,
     capture_env,
@@ -88,11 +89,12 @@ def offload(model: nn.Module, plan: OffloadPlan, runtime: RecordingCudaRuntime |
     return off
 
 
-def test_views_are_cuda_tensors_over_host_memory_with_equal_values() -> None:
+@pytest.mark.parametrize("method", [PinMethod.REGISTER, PinMethod.ALLOC])
+def test_views_are_cuda_tensors_over_host_memory_with_equal_values(method: PinMethod) -> None:
     runtime = CudaRuntime()
     weight = torch.randn(3 * HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16)
     for source in (weight, weight.t(), weight[:, 8:]):  # contiguous, transposed, offset rows
-        host = runtime.host_copy(source, pin=True)
+        host = runtime.host_copy(source, pin=method)
         assert runtime.is_pinned(host) and host.device.type == "cpu"
         view = runtime.device_view(host)
         assert view.device.type == "cuda"

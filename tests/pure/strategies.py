@@ -260,6 +260,8 @@ def platforms(draw: st.DrawFn) -> Platform:
         pageable_memory_access=draw(cuda),
         pageable_uses_host_page_tables=draw(cuda),
         can_map_host_memory=draw(cuda),
+        can_register_host_memory=draw(cuda),
+        host_pointer_for_registered_memory=draw(cuda),
         is_wsl=draw(st.booleans()),
         memlock_limit_bytes=draw(_OPTIONAL_BYTES),
         host_available_bytes=draw(_OPTIONAL_BYTES),

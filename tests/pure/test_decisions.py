@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, settings
 
+from offload.errors import PlanError
 from offload.pure import (
     BackendName,
     EnvFlags,
@@ -15,6 +17,7 @@ from offload.pure import (
     OffloadPlan,
     ParamSpec,
     PinDecision,
+    PinMethod,
     PinReason,
     Placement,
     Platform,
@@ -25,12 +28,15 @@ from offload.pure import (
 )
 from tests.pure.strategies import env_snapshots, model_specs, offload_configs
 
-H200 = Platform(has_cuda=True, device_name="NVIDIA H200", device_total_bytes=140 << 30, can_map_host_memory=True)
+H200 = Platform(has_cuda=True, device_name="NVIDIA H200", device_total_bytes=140 << 30, can_map_host_memory=True,
+                can_register_host_memory=True, host_pointer_for_registered_memory=True)
 GH200 = Platform(
     has_cuda=True,
     device_name="NVIDIA GH200 480GB",
     device_total_bytes=96 << 30,
     can_map_host_memory=True,
+    can_register_host_memory=True,
+    host_pointer_for_registered_memory=True,
     pageable_memory_access=True,
     pageable_uses_host_page_tables=True,
 )
@@ -86,12 +92,40 @@ def test_decision_table(
 ) -> None:
     env = EnvSnapshot(flags=flags, platform=platform)
     pinning = decide_pinning(env)
-    assert pinning == PinDecision(pin=pin, reason=pin_reason)
+    assert (pinning.pin, pinning.reason) == (pin, pin_reason)
     zero_copy = decide_uva(env, pinning)
     assert zero_copy.enabled is uva
     assert zero_copy.reason in uva_reasons
     assert pinning.explanation
     assert zero_copy.explanation
+
+
+@pytest.mark.parametrize(("register", "host_pointer", "method"), [
+    (True, True, PinMethod.REGISTER),
+    (True, False, PinMethod.ALLOC),  # registered memory would need cudaHostGetDevicePointer for views
+    (False, True, PinMethod.ALLOC),
+    (False, False, PinMethod.ALLOC),
+])
+def test_pinned_copies_are_registered_in_place_only_where_the_device_reads_them_there(
+    register: bool, host_pointer: bool, method: PinMethod
+) -> None:
+    platform = attrs.evolve(H200, can_register_host_memory=register, host_pointer_for_registered_memory=host_pointer)
+    pinning = decide_pinning(EnvSnapshot(platform=platform))
+    assert (pinning.pin, pinning.method) == (True, method)
+    off = decide_pinning(EnvSnapshot(flags=NO_PIN, platform=platform))
+    assert (off.pin, off.method) == (False, PinMethod.NONE)
+
+
+@pytest.mark.parametrize(("pin", "method"), [(False, PinMethod.REGISTER), (False, PinMethod.ALLOC),
+                                             (True, PinMethod.NONE)])
+def test_a_method_contradicting_pin_is_rejected(pin: bool, method: PinMethod) -> None:
+    with pytest.raises(PlanError, match=f"pin method '{method.value}' contradicts pin={pin}"):
+        PinDecision(pin=pin, reason=PinReason.ENABLED, method=method)
+
+
+def test_the_method_defaults_from_pin() -> None:
+    assert PinDecision(pin=True, reason=PinReason.ENABLED).method is PinMethod.REGISTER
+    assert PinDecision(pin=False, reason=PinReason.WSL).method is PinMethod.NONE
 
 
 def test_pin_reasons_the_issue_names_exist() -> None:
@@ -116,6 +150,7 @@ def test_the_switches_win_on_every_platform(env: EnvSnapshot) -> None:
         assert uva.enabled is False
     if pin.pin:
         assert env.platform.has_cuda and not env.platform.is_wsl and not env.flags.disable_pin_memory
+    assert (pin.method is PinMethod.NONE) is not pin.pin
     if uva.enabled:
         # UVA needs CUDA, host mapping, pinned memory and the user's consent.
         assert pin.pin and env.platform.has_cuda and env.platform.can_map_host_memory

@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from offload import CpuRuntime
+from offload import CpuRuntime, PinMethod
 from offload.runtime.copies import byte_span, is_dense, span_chunks
 from offload.runtime.hostmem import register_host_tensor, span_bytes
 from tests.runtime.test_hostmem import FakeCudart
@@ -111,7 +111,7 @@ def test_cpu_runtime_copies_gappy_weights_by_span() -> None:
     """Both runtimes copy the span, gaps included (one memcpy): the gap bytes arrive too."""
     runtime = CpuRuntime()
     src = gappy()
-    host = runtime.host_copy(src, pin=False)
+    host = runtime.host_copy(src, pin=PinMethod.NONE)
     assert host.stride() == src.stride()
     byte_span(host).fill_(0x7F)
     host.copy_(src)  # the elements again; the gaps keep 0x7F

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 
 import pytest
 import torch
 
-from offload import CpuRuntime, ExecutionError
+from offload import CpuRuntime, ExecutionError, PinMethod
 from offload.runtime.hostmem import (
     HostRegisterError,
+    alloc_host_tensor,
     drain_retired,
     register_host_tensor,
     retired_count,
@@ -37,6 +39,31 @@ class FakeCudart:
         return 0
 
 
+class FakeHostAlloc:
+    """Plays cudaHostAlloc / cudaFreeHost with ctypes buffers; fails the k-th allocation."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+        self.live: dict[int, ctypes.Array[ctypes.c_char]] = {}  # pointer -> its memory
+        self.sizes: list[int] = []
+        self.freed: list[int] = []
+
+    def alloc(self, nbytes: int) -> tuple[int, int]:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            return 2, 0  # cudaErrorMemoryAllocation
+        memory = ctypes.create_string_buffer(nbytes)
+        self.live[ctypes.addressof(memory)] = memory
+        self.sizes.append(nbytes)
+        return 0, ctypes.addressof(memory)
+
+    def free(self, pointer: int) -> int:
+        self.freed.append(pointer)
+        del self.live[pointer]
+        return 0
+
+
 @pytest.mark.parametrize(
     ("shape", "stride", "dtype"),
     [((1000, 3), (3, 1), torch.bfloat16), ((3, 1000), (1, 3), torch.float32), ((7,), (1,), torch.int8),
@@ -53,7 +80,8 @@ def test_pages_are_exactly_the_span_registered_in_bounded_pieces(
     nbytes = span_bytes(shape, stride, itemsize)
     assert (tuple(held.tensor.shape), held.tensor.stride(), held.tensor.dtype) == (shape, stride, dtype)
     # Exact size: at most one page of rounding, never a power of two.
-    assert nbytes <= len(held.mapping) < nbytes + mmap.PAGESIZE
+    assert nbytes <= held.reserved_bytes < nbytes + mmap.PAGESIZE and held.in_place
+    assert held.tensor.untyped_storage().nbytes() == nbytes  # what stats and plans count
     assert held.tensor.data_ptr() % mmap.PAGESIZE == 0
     # The pieces tile the span in order, none larger than the bound.
     assert held.pieces == tuple(cudart.registered)
@@ -95,7 +123,7 @@ def test_empty_tensors_register_nothing() -> None:
 def test_cpu_runtime_views_are_the_host_tensor_and_copies_are_separate() -> None:
     runtime = CpuRuntime()
     source = torch.randn(4, 6).t()
-    host = runtime.host_copy(source, pin=False)
+    host = runtime.host_copy(source, pin=PinMethod.NONE)
     assert runtime.device_view(host) is host
     moved = runtime.to_device(host)
     assert torch.equal(moved, source) and moved.stride() == source.stride()
@@ -103,8 +131,9 @@ def test_cpu_runtime_views_are_the_host_tensor_and_copies_are_separate() -> None
     assert runtime.is_pinned(host) is False and runtime.pin_fallbacks == 0
     runtime.release_host(host)
     assert torch.equal(host, source)  # releasing gives back registration only, never data
-    with pytest.raises(ExecutionError, match="cannot pin"):
-        runtime.host_copy(source, pin=True)
+    for method in (PinMethod.REGISTER, PinMethod.ALLOC):
+        with pytest.raises(ExecutionError, match="cannot pin"):
+            runtime.host_copy(source, pin=method)
 
 
 def test_memory_that_dies_unreleased_is_unregistered_by_the_next_drain() -> None:
@@ -130,10 +159,56 @@ def test_an_explicit_release_cancels_the_finalizer() -> None:
     cudart = FakeCudart()
     drain_retired()
     held = register_host_tensor((1000,), (1,), torch.int8, register=cudart.register, unregister=cudart.unregister)
-    assert held.unregister_now(cudart.unregister) == []
-    assert held.unregister_now(cudart.unregister) == []  # at most once
+    assert held.release() == []
+    assert held.release() == []  # at most once
     assert cudart.unregistered == [held.pieces[0][0]]
     del held
     gc.collect()
     assert retired_count() == 0 and drain_retired() == []
     assert len(cudart.unregistered) == 1
+
+
+@pytest.mark.parametrize(("shape", "stride", "dtype"), [((1000, 3), (3, 1), torch.bfloat16),
+                                                         ((3, 1000), (1, 3), torch.float32),
+                                                         ((6, 5), (20, 2), torch.float8_e4m3fn)])
+def test_an_allocation_is_exactly_the_span_and_keeps_shape_strides_values(
+    shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    cuda = FakeHostAlloc()
+    held = alloc_host_tensor(shape, stride, dtype, alloc=cuda.alloc, free=cuda.free)
+    nbytes = span_bytes(shape, stride, torch.empty((), dtype=dtype).element_size())
+    assert cuda.sizes == [nbytes]  # exactly the span: no power-of-two rounding
+    assert nbytes <= held.reserved_bytes < nbytes + mmap.PAGESIZE
+    assert held.tensor.untyped_storage().nbytes() == nbytes
+    assert (tuple(held.tensor.shape), held.tensor.stride(), held.tensor.dtype) == (shape, stride, dtype)
+    assert held.tensor.data_ptr() in cuda.live and held.pieces == () and not held.in_place
+    source = torch.randn(shape).to(dtype)
+    held.tensor.copy_(source)
+    assert torch.equal(held.tensor.float(), source.float())
+
+
+def test_a_failed_allocation_raises_and_takes_nothing() -> None:
+    cuda = FakeHostAlloc(fail_at=0)
+    with pytest.raises(HostRegisterError, match="cudaHostAlloc of 400 bytes failed with cudaError 2"):
+        alloc_host_tensor((100,), (1,), torch.float32, alloc=cuda.alloc, free=cuda.free)
+    assert cuda.live == {} and cuda.freed == []
+
+
+def test_an_allocation_is_freed_only_after_its_last_tensor_dies() -> None:
+    """Freeing page-locked memory a tensor still reads would be a use after free: release
+    leaves it to the finalizer, and the next drain frees it."""
+    cuda = FakeHostAlloc()
+    drain_retired()
+    held = alloc_host_tensor((64, 8), (8, 1), torch.float32, alloc=cuda.alloc, free=cuda.free)
+    [pointer] = cuda.live
+    user = held.tensor[3]  # someone still reads a row
+    assert held.release() == []
+    del held
+    gc.collect()
+    assert cuda.freed == [] and retired_count() == 0
+    user.fill_(1.0)  # still valid memory
+    del user
+    gc.collect()
+    assert retired_count() == 1 and cuda.freed == []  # nothing is freed until the drain
+    assert drain_retired() == []
+    assert cuda.freed == [pointer] and cuda.live == {}

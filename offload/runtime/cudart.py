@@ -1,0 +1,113 @@
+"""The CUDA runtime calls behind page-locked host memory, ready to inject into `hostmem`.
+
+``cudaHostRegister`` and ``cudaHostUnregister`` come from ``torch.cuda.cudart()``.
+``cudaHostAlloc`` and ``cudaFreeHost`` are not bound by torch, and the error clearing
+needs ``cudaGetLastError``: those come through ctypes from the libcudart torch loaded
+(found in /proc/self/maps). Every call runs with the runtime's device current, so the
+memory is associated with that device. A failed call leaves its error as CUDA's "last
+error", which torch would report at the next kernel launch, far from here; it is cleared
+so that a fallback stays a fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from offload.capture import MAPS_PATH, read_proc_text
+from offload.pure.procfs import find_libcudart
+from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
+
+__all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "host_calls"]
+
+log = logging.getLogger(__name__)
+
+#: cudaHostAllocPortable | cudaHostAllocMapped: usable from every device, at the host
+#: address (under unified addressing, whatever the flags, unless write-combined).
+HOST_ALLOC_FLAGS = 0x01 | 0x02
+
+
+@attrs.frozen
+class HostCalls:
+    """The four calls, each returning a cudaError (0 for success); see `hostmem`."""
+
+    register: Register
+    unregister: Unregister
+    alloc: Alloc
+    free: Free
+
+
+def _libcudart() -> ctypes.CDLL | None:
+    maps = read_proc_text(MAPS_PATH)
+    path = find_libcudart(maps) if maps is not None else None
+    if path is None:
+        log.debug("libcudart not found in %s: no cudaHostAlloc, and CUDA errors of failed pinning "
+                  "are not cleared", MAPS_PATH)
+        return None
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError as exc:
+        log.debug("cannot open %s: %s", path, exc)
+        return None
+
+
+def _function(lib: ctypes.CDLL | None, name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
+    if lib is None:
+        return None
+    try:
+        function = getattr(lib, name)
+    except AttributeError:
+        log.debug("libcudart has no %s", name)
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = argtypes
+    return function  # type: ignore[no-any-return]  # a ctypes function: untyped
+
+
+def host_calls(device: torch.device) -> HostCalls:
+    """The calls for `device` (a CUDA device)."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+    lib = _libcudart()
+    last_error = _function(lib, "cudaGetLastError", ())
+    host_alloc = _function(lib, "cudaHostAlloc", (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint))
+    free_host = _function(lib, "cudaFreeHost", (ctypes.c_void_p,))
+
+    def checked(status: int) -> int:
+        if status and last_error is not None:
+            last_error()
+        return status
+
+    def register(pointer: int, nbytes: int) -> int:
+        with torch.cuda.device(device):
+            return checked(int(cudart.cudaHostRegister(pointer, nbytes, 0)))
+
+    def unregister(pointer: int) -> int:
+        with torch.cuda.device(device):
+            return checked(int(cudart.cudaHostUnregister(pointer)))
+
+    if host_alloc is not None and free_host is not None:
+        allocate, release = host_alloc, free_host
+
+        def alloc(nbytes: int) -> tuple[int, int]:
+            pointer = ctypes.c_void_p()
+            with torch.cuda.device(device):
+                status = checked(allocate(ctypes.byref(pointer), nbytes, HOST_ALLOC_FLAGS))
+            return status, pointer.value or 0
+
+        def free(pointer: int) -> int:
+            with torch.cuda.device(device):
+                return checked(release(pointer))
+    else:
+
+        def alloc(nbytes: int) -> tuple[int, int]:
+            raise HostRegisterError(f"cudaHostAlloc is not available (libcudart not found in {MAPS_PATH})")
+
+        def free(pointer: int) -> int:
+            return 0  # nothing was ever allocated
+
+    return HostCalls(register=register, unregister=unregister, alloc=alloc, free=free)
