@@ -138,6 +138,12 @@ class Runtime(Protocol):
         """Make the compute stream wait for `event` (it does not block the host)."""
         ...
 
+    def waited_seconds(self) -> float | None:
+        """Seconds the compute stream has stood still in `wait` so far, as far as measured
+        (waits still in flight are counted once they are done); None where the runtime
+        cannot measure it. Waits inside a CUDA graph capture are not measured."""
+        ...
+
     def is_capturing(self) -> bool:
         """True while the compute stream is being captured into a CUDA graph."""
         ...

@@ -399,7 +399,7 @@ class PrefetchOffloader:
                                     for t in slots.values()),
             copies_issued=self._copies_issued,
             bytes_copied=self._bytes_copied,
-            wait_seconds=None,
+            wait_seconds=self._rt.waited_seconds(),
             pin_fallbacks=self._host.fallbacks,
         )
 

@@ -118,6 +118,10 @@ class CpuRuntime:
     def wait(self, event: object) -> None:
         """Nothing to wait for: copies finished when they were issued."""
 
+    def waited_seconds(self) -> None:
+        """Not measured: copies run synchronously when issued, so there is no wait to time."""
+        return None
+
     def is_capturing(self) -> bool:
         """Never: CUDA graphs need CUDA."""
         return False

@@ -32,6 +32,9 @@ from offload.runtime.hostmem import (
 
 __all__ = ["CudaRuntime", "zero_copy_view"]
 
+#: Bracketed waits kept before the finished ones are added up (bounds the list).
+_FOLD_AT = 256
+
 log = logging.getLogger(__name__)
 
 # __cuda_array_interface__ type strings by item size: an integer type of the same width,
@@ -86,6 +89,8 @@ class CudaRuntime:
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
         self._calls = host_calls(self._device)
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # bracketed waits not yet added up
+        self._waited_ms = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -231,10 +236,35 @@ class CudaRuntime:
         return done
 
     def wait(self, event: object) -> None:
-        """The compute stream waits for `event`."""
+        """The compute stream waits for `event`. Outside a capture the wait is bracketed by
+        two timing events: the time between them on the device is the time the stream
+        stood still (see `waited_seconds`)."""
         if not isinstance(event, torch.cuda.Event):
             raise ExecutionError(f"not an event of this runtime: {event!r}", name="event", value=event)
-        torch.cuda.current_stream(self._device).wait_event(event)
+        stream = torch.cuda.current_stream(self._device)
+        if torch.cuda.is_current_stream_capturing():
+            stream.wait_event(event)
+            return
+        before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # as above
+        after = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # as above
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._timed.append((before, after))
+        if len(self._timed) >= _FOLD_AT:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add up the bracketed waits that are done, oldest first; keep the rest."""
+        while self._timed and self._timed[0][1].query():  # type: ignore[no-untyped-call]  # unannotated in torch
+            before, after = self._timed.pop(0)
+            self._waited_ms += before.elapsed_time(after)
+
+    def waited_seconds(self) -> float:
+        """Seconds the compute stream stood still in `wait` (outside captures), over the
+        waits the device has finished; never blocks."""
+        self._fold()
+        return self._waited_ms / 1e3
 
     def is_capturing(self) -> bool:
         """True while the current stream is capturing a CUDA graph."""

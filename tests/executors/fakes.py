@@ -30,7 +30,11 @@ import torch
 from offload.pure.decisions import PinMethod
 from offload.runtime.cpu import CpuRuntime
 
+#: What `FakeRuntime.waited_seconds` counts per wait outside a capture, in seconds.
+WAIT_SECONDS = 0.25
+
 __all__ = [
+    "WAIT_SECONDS",
     "Copy",
     "Entry",
     "FakeEvent",
@@ -261,6 +265,11 @@ class FakeRuntime:
                 dst.copy_(src)
                 if done == event:
                     break
+
+    def waited_seconds(self) -> float:
+        """`WAIT_SECONDS` for each wait logged outside a capture (a made-up duration, so
+        tests can see the executor report what its runtime measured)."""
+        return WAIT_SECONDS * sum(1 for e in self.log if isinstance(e, Wait) and not e.capturing)
 
     def is_capturing(self) -> bool:
         """What the test set `capturing` to."""

@@ -27,7 +27,7 @@ from offload import (
     WarningCode,
 )
 from offload.pure.layout import owns_buffer
-from tests.executors.fakes import FakeRuntime, HostCopy, InjectedFailure
+from tests.executors.fakes import WAIT_SECONDS, FakeRuntime, HostCopy, InjectedFailure, Wait
 from tests.executors.helpers import (
     assert_restored,
     cpu_plan,
@@ -648,3 +648,23 @@ def test_sliced_weight_with_gaps_keeps_its_strides_and_parity() -> None:
     for layer, weight in zip(layers, weights, strict=True):
         assert layer.get_parameter("weight").stride() == stride
         assert torch.equal(layer.get_parameter("weight"), weight)
+
+
+def test_stats_report_the_wait_time_the_runtime_measured() -> None:
+    """One wait per offloaded layer per forward, and `wait_seconds` is what the runtime
+    measured for them (the fake counts a made-up duration per wait)."""
+    model = transformer_model(5)
+    plan = cuda_like_plan(model, OffloadConfig(group_size=1, prefetch_step=2), disable_pin_memory=False)
+    runtime = FakeRuntime()
+    off = prefetch(plan, runtime)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert off.stats().wait_seconds == 0.0
+    forwards = 0
+    for x in inputs(seed=19):
+        model(x)
+        forwards += 1
+    waits = runtime.entries(Wait)
+    assert len(waits) == forwards * len(plan.offloaded_layers) > 0
+    assert off.stats().wait_seconds == WAIT_SECONDS * len(waits)
+    off.restore()

@@ -81,6 +81,9 @@ class RecordingCudaRuntime:
     def wait(self, event: object) -> None:
         self._cuda.wait(event)
 
+    def waited_seconds(self) -> float:
+        return self._cuda.waited_seconds()
+
     def is_capturing(self) -> bool:
         return self._cuda.is_capturing()
 

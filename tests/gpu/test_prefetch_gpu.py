@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -246,3 +247,24 @@ def test_sliced_weights_with_gaps_capture_and_replay() -> None:
         assert torch.equal(static_out, want)
     off.restore()
     assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
+
+
+def test_wait_seconds_measures_the_compute_streams_stalls() -> None:
+    """Tiny compute, every layer streamed one ahead: the compute stream mostly waits for
+    copies, so the measured wait is positive and within the elapsed time."""
+    model = gpu_model()
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=1)))
+    x = next(gpu_inputs(seed=11, count=1))[:, :1]  # one token: compute is nothing next to the copies
+    model(x)
+    torch.cuda.synchronize()
+    before = off.stats().wait_seconds
+    assert before is not None
+    start = time.perf_counter()
+    for _ in range(5):
+        model(x)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    waited = off.stats().wait_seconds
+    assert waited is not None
+    assert 0 < waited - before <= elapsed
+    off.restore()
