@@ -29,22 +29,30 @@ def storage_key(tensor: torch.Tensor) -> str | None:
     Args:
         tensor: any tensor; it is not read, only its metadata.
 
+    Meta tensors have no memory, so their storage is told apart by the identity of its
+    storage object (``_cdata``, the address of PyTorch's StorageImpl), which tied meta
+    parameters share: a plan made from a meta model before loading knows its ties. Such a
+    key means something only while the tensors described are alive, which is all a
+    `ModelSpec` needs.
+
     Returns:
-        The key, or None when identity cannot be told: meta tensors, tensors without
-        storage (data pointer 0, e.g. empty ones) and tensors whose storage cannot be
-        accessed (sparse and some subclasses).
+        The key, or None when identity cannot be told: tensors without storage (data
+        pointer 0, e.g. empty ones) and tensors whose storage cannot be accessed (sparse
+        and some subclasses).
     """
-    if tensor.device.type == "meta":
-        return None
     try:
-        pointer = tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if pointer == 0:
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "meta":
+            where = f"meta@storage{int(storage._cdata):#x}"
+        elif (pointer := storage.data_ptr()) != 0:
+            where = f"{tensor.device}@{pointer:#x}"
+        else:
+            return None
+    except (RuntimeError, NotImplementedError, AttributeError):
         return None
     shape = "x".join(str(size) for size in tensor.shape)
     stride = ",".join(str(step) for step in tensor.stride())
-    return f"{tensor.device}@{pointer:#x}+{tensor.storage_offset()}:{shape}/{stride}:{dtype_name(tensor.dtype)}"
+    return f"{where}+{tensor.storage_offset()}:{shape}/{stride}:{dtype_name(tensor.dtype)}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -135,17 +135,42 @@ def test_storage_key_is_equal_exactly_for_the_same_view() -> None:
     assert storage_key(w) != storage_key(torch.randn(4, 4))
 
 
-def test_meta_and_storageless_parameters_have_no_key() -> None:
+def test_tied_meta_parameters_share_a_key_and_nothing_else_does() -> None:
+    """A meta model (planned before loading) knows its ties."""
     with torch.device("meta"):
         meta_embed = nn.Embedding(10, 4)
         meta_head = nn.Linear(4, 10, bias=False)
+        other = nn.Linear(4, 10, bias=False)
     meta_head.weight = meta_embed.weight
+    spec = describe_layers([meta_embed, meta_head, other])
+    embed, head, untied = (layer.params[0] for layer in spec.layers)
+    assert (embed.shape, embed.device) == ((10, 4), "meta")
+    assert embed.storage_key is not None and embed.storage_key.startswith("meta@")
+    assert head.storage_key == embed.storage_key
+    assert untied.storage_key not in (None, embed.storage_key)
+    weight = meta_embed.weight
+    assert storage_key(weight.t()) not in (None, embed.storage_key)  # another view of the storage
+    assert storage_key(weight[1:]) != storage_key(weight)
+
+
+def test_a_plan_from_a_meta_model_ties_what_the_loaded_model_ties() -> None:
+    def build(device: str) -> list[nn.Module]:
+        with torch.device(device):
+            embed, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        head.weight = embed.weight
+        return [embed, head]
+
+    meta, real = describe_layers(build("meta")), describe_layers(build("cpu"))
+    assert [[p.storage_key is not None for p in layer.params] for layer in meta.layers] == [[True], [True]]
+    assert (meta.layers[0].params[0].storage_key == meta.layers[1].params[0].storage_key) is (
+        real.layers[0].params[0].storage_key == real.layers[1].params[0].storage_key) is True
+    assert meta.nbytes == real.nbytes == 10 * 4 * 4  # the tied weight counted once
+
+
+def test_storageless_parameters_have_no_key() -> None:
     layer = Holder({"empty": nn.Parameter(torch.empty(0, 4))})
-    spec = describe_layers([meta_embed, meta_head, layer])
-    meta_weight = spec.layers[0].params[0]
-    assert (meta_weight.shape, meta_weight.device, meta_weight.storage_key) == ((10, 4), "meta", None)
-    assert spec.layers[1].params[0].storage_key is None
-    empty = spec.layers[2].params[0]
+    spec = describe_layers([layer])
+    empty = spec.layers[0].params[0]
     assert (empty.shape, empty.storage_key, empty.nbytes) == ((0, 4), None, 0)
 
 
