@@ -19,7 +19,7 @@ from offload.errors import ExecutionError
 from offload.pure.decisions import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
-from offload.runtime.cudart import host_calls
+from offload.runtime.cudart import copy_stream, host_calls
 from offload.runtime.hostmem import (
     PIECE_BYTES,
     HostAllocation,
@@ -84,7 +84,7 @@ class CudaRuntime:
             raise ExecutionError("CudaRuntime needs a CUDA device; torch.cuda.is_available() is False",
                                  name="device", value="cuda")
         self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
-        self._copy_stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        self._copy_stream = copy_stream(self._device)
         self._locked: dict[int, HostAllocation] = {}  # host data_ptr -> its page-locked memory
         self._fallbacks = 0
         self._piece_bytes = piece_bytes

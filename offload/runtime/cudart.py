@@ -1,4 +1,5 @@
-"""The CUDA runtime calls behind page-locked host memory, ready to inject into `hostmem`.
+"""The CUDA runtime calls behind page-locked host memory (ready to inject into `hostmem`),
+and the copy stream.
 
 ``cudaHostRegister`` and ``cudaHostUnregister`` come from ``torch.cuda.cudart()``.
 ``cudaHostAlloc`` and ``cudaFreeHost`` are not bound by torch, and the error clearing
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import attrs
@@ -23,7 +25,7 @@ from offload.capture import MAPS_PATH, read_proc_text
 from offload.pure.procfs import find_libcudart
 from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
 
-__all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "host_calls"]
+__all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +113,44 @@ def host_calls(device: torch.device) -> HostCalls:
             return 0  # nothing was ever allocated
 
     return HostCalls(register=register, unregister=unregister, alloc=alloc, free=free)
+
+
+# One copy stream per device for the whole process, never destroyed (a stream is small,
+# and destroying one could fall inside another thread's graph capture).
+_copy_streams: dict[int, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """For ``cuda:index``, the side stream host-to-device copies run on: a stream of its own, created with
+    ``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``, shared by every runtime on the
+    device. PyTorch's ``torch.cuda.Stream()`` hands out streams round-robin from a pool
+    of 32, so copies could land on the very stream a CUDA graph is captured on (and run
+    serially with the compute); where the call is unavailable, that pool is used anyway."""
+    index = device.index  # CudaRuntime's device always has one
+    with _copy_streams_lock:
+        stream = _copy_streams.get(index)
+        if stream is None:
+            stream = _copy_streams[index] = _new_stream(torch.device("cuda", index))
+        return stream
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    lib = _libcudart()
+    create = _function(lib, "cudaStreamCreateWithFlags", (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint))
+    if create is not None:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            status = create(ctypes.byref(handle), _STREAM_NON_BLOCKING)
+        if status == 0 and handle.value:
+            return torch.cuda.ExternalStream(handle.value, device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        last_error = _function(lib, "cudaGetLastError", ())
+        if last_error is not None:
+            last_error()
+        log.debug("cudaStreamCreateWithFlags failed with cudaError %d", status)
+    log.debug("the copy stream for %s comes from PyTorch's stream pool", device)
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
+#: cudaStreamNonBlocking: no implicit synchronisation with the legacy default stream.
+_STREAM_NON_BLOCKING = 0x01

@@ -9,6 +9,7 @@ import torch
 
 from offload import CudaRuntime, PinMethod
 from offload.runtime.copies import span_chunks
+from offload.runtime.cudart import copy_stream
 from offload.runtime.hostmem import register_host_tensor
 
 
@@ -87,6 +88,25 @@ def test_runtime_copies_a_host_copy_in_several_pieces_inside_a_capture() -> None
     with torch.cuda.graph(graph):
         runtime.wait(runtime.copy_after(buffer, host, runtime.record()))
     graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, weight)
+    runtime.release_host(host)
+
+
+def test_the_copy_stream_is_its_own_never_one_from_the_pool() -> None:
+    """PyTorch's pool hands out 32 streams round-robin (graph captures take theirs from it);
+    the copy stream is none of them, and every runtime on the device shares it."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = copy_stream(device)
+    assert copy_stream(device) is stream
+    pool = {torch.cuda.Stream().cuda_stream for _ in range(80)}  # type: ignore[no-untyped-call]  # unannotated
+    assert stream.cuda_stream not in pool
+    assert stream.cuda_stream != torch.cuda.current_stream().cuda_stream
+    runtime = CudaRuntime()
+    weight = torch.randn(1 << 20, device="cuda")
+    host = runtime.host_copy(weight, pin=PinMethod.REGISTER)
+    buffer = runtime.device_empty((1 << 20,), (1,), torch.float32)
+    runtime.wait(runtime.copy_after(buffer, host, runtime.record()))
     torch.cuda.synchronize()
     assert torch.equal(buffer, weight)
     runtime.release_host(host)
