@@ -179,6 +179,29 @@ def test_compiled_fullgraph_parity(config: OffloadConfig) -> None:
         assert off.stats().copies_issued == expected_copies(plan, forwards)[0]
 
 
+# Importing inductor touches torch.jit.script_method, which torch 2.13 deprecates.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_keeps_weight_only_math_after_the_wait() -> None:
+    """Int8 layers dequantise from their weights alone (``qweight.to(dtype) * scale``),
+    which the wait op's mutated activation does not order. Were the compiler to move that
+    math ahead of the op that fills the slot, it would read the slot's previous owner (on
+    the CPU runtime deterministically: the copy runs inside the op). Inductor fuses
+    differently from eager, so the comparison has a tolerance; another layer's weights
+    would be off by far more."""
+    torch._dynamo.reset()
+    model = nn.Sequential(*[Int8Linear() for _ in range(6)]).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    plan = cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=2))
+    off = prefetch(plan)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    compiled = torch.compile(model, fullgraph=True)  # inductor
+    for x in inputs(seed=21, shapes=((1, 3), (1, 3))):
+        torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+    off.restore()
+    torch._dynamo.reset()
+
+
 # ---- special weights ----------------------------------------------------------------------
 
 

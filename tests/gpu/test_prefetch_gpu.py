@@ -30,7 +30,7 @@ from offload import (
     make_plan,
 )
 from offload.graphs import capture_forward
-from tests.executors.models import SlicedBlock, TransformerBlock, bits, layer_list
+from tests.executors.models import Int8Linear, SlicedBlock, TransformerBlock, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime
 
 HIDDEN = 1024  # qkv 6 MiB, out 2 MiB, up and down 8 MiB each: about 24 MiB per layer in bf16
@@ -268,3 +268,23 @@ def test_wait_seconds_measures_the_compute_streams_stalls() -> None:
     assert waited is not None
     assert 0 < waited - before <= elapsed
     off.restore()
+
+
+def test_compiled_inductor_keeps_weight_only_math_after_the_wait() -> None:
+    """Int8 layers dequantise from their weights alone (``qweight.to(dtype) * scale``):
+    nothing ties that math to the activation the wait op mutates, so a compiler that moved
+    it ahead of the wait would read a slot before its copy landed (another layer's weights,
+    far off). Copies are made slow next to the compute (16 MiB per layer, one token)."""
+    torch._dynamo.reset()
+    torch.manual_seed(12)
+    with torch.device("cuda"):
+        model = nn.Sequential(*[Int8Linear(4096) for _ in range(6)]).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
+    compiled = torch.compile(model, fullgraph=True)
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    for _ in range(4):
+        x = torch.randn(1, 1, 4096, device="cuda", generator=generator)
+        torch.testing.assert_close(compiled(x), reference(x), atol=1e-3, rtol=1e-3)
+    off.restore()
+    torch._dynamo.reset()
