@@ -32,6 +32,7 @@ from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, p
 
 __all__ = [
     "ATTR_CAN_MAP_HOST_MEMORY",
+    "ATTR_HOST_POINTER_FOR_REGISTERED_MEM",
     "ATTR_HOST_REGISTER_SUPPORTED",
     "ATTR_PAGEABLE_MEMORY_ACCESS",
     "ATTR_PAGEABLE_USES_HOST_PAGE_TABLES",
@@ -41,6 +42,7 @@ __all__ = [
     "ReadText",
     "TorchCudaProbe",
     "capture_env",
+    "open_libcudart",
     "probe_platform",
     "read_proc_text",
     "torch_cuda_probe",
@@ -346,22 +348,37 @@ class TorchCudaProbe:
     def _function(self) -> Callable[..., Any]:
         if self._get_attribute is not None:
             return self._get_attribute
-        maps = self._read_text(MAPS_PATH)
-        if maps is None:
-            raise ProbeError(f"cannot read {MAPS_PATH} to find libcudart")
-        path = find_libcudart(maps)
-        if path is None:
-            raise ProbeError(f"libcudart is not mapped into this process ({MAPS_PATH})")
+        library = open_libcudart(self._read_text)
         try:
-            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             function = library.cudaDeviceGetAttribute
-        except (OSError, AttributeError) as exc:
-            raise ProbeError(f"cannot use cudaDeviceGetAttribute from {path}: {exc}") from exc
+        except AttributeError as exc:
+            raise ProbeError(f"cannot use cudaDeviceGetAttribute from {library._name}: {exc}") from exc
         function.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)
         function.restype = ctypes.c_int
-        _log.debug("reading device attributes through %s", path)
+        _log.debug("reading device attributes through %s", library._name)
         self._get_attribute = function
         return function
+
+
+def open_libcudart(read_text: ReadText = read_proc_text) -> ctypes.CDLL:
+    """The CUDA runtime library torch has loaded, found in /proc/self/maps (preferring the
+    version torch was built with) and opened with ``RTLD_NOLOAD``, so that a second,
+    different CUDA runtime is never loaded.
+
+    Raises:
+        ProbeError: maps cannot be read, no libcudart is mapped, or it cannot be opened.
+    """
+    maps = read_text(MAPS_PATH)
+    if maps is None:
+        raise ProbeError(f"cannot read {MAPS_PATH} to find libcudart")
+    built_with = torch.version.cuda  # "13.0" on CUDA builds, None on others
+    path = find_libcudart(maps, str(built_with).split(".")[0] if built_with else None)
+    if path is None:
+        raise ProbeError(f"libcudart is not mapped into this process ({MAPS_PATH})")
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError as exc:
+        raise ProbeError(f"cannot open {path}: {exc}") from exc
 
 
 def torch_cuda_probe(read_text: ReadText = read_proc_text) -> CudaProbe | None:

@@ -206,7 +206,7 @@ def test_real_attribute_reader_without_libcudart_in_maps_gives_notes() -> None:
         pytest.param("", "libcudart is not mapped", id="not-mapped"),
         pytest.param(
             "7f8a40000000-7f8a40090000 r-xp 00000000 fe:00 1 /nonexistent/lib/libcudart.so.12\n",
-            "cannot use cudaDeviceGetAttribute from /nonexistent/lib/libcudart.so.12",
+            "cannot open /nonexistent/lib/libcudart.so.12",
             id="not-loadable",
         ),
     ],

@@ -25,7 +25,7 @@ _MEMLOCK_LINE = "Max locked memory"
 # The torch wheels carry libcudart either as-is (libcudart.so.12, libcudart.so.13.0.96 from
 # the nvidia-cuda-runtime wheel or a system toolkit) or renamed by auditwheel with a hash
 # (torch.libs/libcudart-9335f6a2.so.12).
-_LIBCUDART = re.compile(r"^libcudart(?:-[0-9a-f]+)?\.so(?:\.[0-9]+)*$")
+_LIBCUDART = re.compile(r"^libcudart(?:-[0-9a-f]+)?\.so(?:\.([0-9]+)(?:\.[0-9]+)*)?$")
 
 
 def _is_number(text: str) -> bool:
@@ -115,22 +115,27 @@ def is_wsl_release(text: str) -> bool:
     return "microsoft" in lowered or "wsl" in lowered
 
 
-def find_libcudart(maps_text: str) -> str | None:
+def find_libcudart(maps_text: str, cuda_major: str | None = None) -> str | None:
     """Find the CUDA runtime library mapped into this process.
 
     Args:
         maps_text: ``/proc/self/maps``; each line is ``address perms offset dev inode
             [path]``, and the path may contain spaces.
+        cuda_major: the CUDA major version torch was built with (``"13"`` for
+            ``torch.version.cuda == "13.0"``): where several runtimes are mapped (an
+            extension may bring its own), the first of that version is torch's.
 
     Returns:
         The path of the first mapped ``libcudart.so[.N...]`` (or auditwheel's
-        ``libcudart-<hash>.so[.N]``), in address order; None when there is none. Static
-        archives, similarly named libraries (``libcudart_static``) and mappings of deleted
-        files (which cannot be opened again by path) are skipped.
+        ``libcudart-<hash>.so[.N]``) of version `cuda_major`, or else the first of any
+        version, in address order; None when there is none. Static archives, similarly
+        named libraries (``libcudart_static``) and mappings of deleted files (which cannot
+        be opened again by path) are skipped.
 
     Raises:
         Nothing; malformed lines are skipped.
     """
+    found: list[str] = []
     for line in maps_text.splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
@@ -138,6 +143,9 @@ def find_libcudart(maps_text: str) -> str | None:
         path = fields[5].strip()
         if path.endswith(" (deleted)") or not path.startswith("/"):
             continue
-        if _LIBCUDART.match(path.rsplit("/", 1)[-1]):
-            return path
-    return None
+        match = _LIBCUDART.match(path.rsplit("/", 1)[-1])
+        if match:
+            if cuda_major is None or match.group(1) == cuda_major:
+                return path
+            found.append(path)
+    return found[0] if found else None

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import attrs
 import torch
 
-from offload.capture import MAPS_PATH, read_proc_text
-from offload.pure.procfs import find_libcudart
+from offload.capture import MAPS_PATH, ProbeError, open_libcudart
 from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
 
 __all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls"]
@@ -45,16 +43,11 @@ class HostCalls:
 
 
 def _libcudart() -> ctypes.CDLL | None:
-    maps = read_proc_text(MAPS_PATH)
-    path = find_libcudart(maps) if maps is not None else None
-    if path is None:
-        log.debug("libcudart not found in %s: no cudaHostAlloc, and CUDA errors of failed pinning "
-                  "are not cleared", MAPS_PATH)
-        return None
     try:
-        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError as exc:
-        log.debug("cannot open %s: %s", path, exc)
+        return open_libcudart()
+    except ProbeError as exc:
+        log.debug("%s: no cudaHostAlloc, no dedicated copy stream, and CUDA errors of failed pinning "
+                  "are not cleared", exc)
         return None
 
 

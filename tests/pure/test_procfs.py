@@ -144,3 +144,18 @@ def _map(path: str, address: str = "7f8a40000000-7f8a40090000") -> str:
 )
 def test_find_libcudart(text: str, expected: str | None) -> None:
     assert find_libcudart(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "major", "expected"),
+    [
+        pytest.param(_map(_SYSTEM) + _map(_PIP_CU13), "13", _PIP_CU13, id="torch's version over an earlier one"),
+        pytest.param(_map(_PIP_CU13) + _map(_SYSTEM), "12", _SYSTEM, id="torch's version over an earlier 13"),
+        pytest.param(_map(_SYSTEM) + _map(_AUDITWHEEL), "12", _SYSTEM, id="first of the version"),
+        pytest.param(_map(_SYSTEM), "13", _SYSTEM, id="none of the version: the first"),
+        pytest.param(_map("/usr/lib/libcudart.so") + _map(_PIP_CU13), "13", _PIP_CU13, id="unversioned-name"),
+        pytest.param(_HEAD + _LIBC, "13", None, id="none-at-all"),
+    ],
+)
+def test_find_libcudart_prefers_the_version_torch_was_built_with(text: str, major: str, expected: str | None) -> None:
+    assert find_libcudart(text, major) == expected
