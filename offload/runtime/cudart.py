@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 #: cudaHostAllocPortable | cudaHostAllocMapped: usable from every device, at the host
 #: address (under unified addressing, whatever the flags, unless write-combined).
 HOST_ALLOC_FLAGS = 0x01 | 0x02
+#: cudaStreamNonBlocking: no implicit synchronisation with the legacy default stream.
+_STREAM_NON_BLOCKING = 0x01
 
 
 @attrs.frozen
@@ -115,11 +117,13 @@ _copy_streams_lock = threading.Lock()
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """For ``cuda:index``, the side stream host-to-device copies run on: a stream of its own, created with
-    ``cudaStreamCreateWithFlags(cudaStreamNonBlocking)``, shared by every runtime on the
-    device. PyTorch's ``torch.cuda.Stream()`` hands out streams round-robin from a pool
-    of 32, so copies could land on the very stream a CUDA graph is captured on (and run
-    serially with the compute); where the call is unavailable, that pool is used anyway."""
+    """The side stream host-to-device copies run on, for ``cuda:index``.
+
+    A stream of its own, made by ``cudaStreamCreateWithFlags(cudaStreamNonBlocking)`` and
+    shared by every runtime on the device. PyTorch's ``torch.cuda.Stream()`` hands out
+    streams round-robin from a pool of 32, so copies could land on the very stream a CUDA
+    graph is captured on (and run serially with the compute); where the call is
+    unavailable, that pool is used anyway."""
     index = device.index  # CudaRuntime's device always has one
     with _copy_streams_lock:
         stream = _copy_streams.get(index)
@@ -144,6 +148,3 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
     log.debug("the copy stream for %s comes from PyTorch's stream pool", device)
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
 
-
-#: cudaStreamNonBlocking: no implicit synchronisation with the legacy default stream.
-_STREAM_NON_BLOCKING = 0x01

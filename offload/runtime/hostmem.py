@@ -13,10 +13,10 @@ largest thing we put in host memory, so we never use it for them. Instead, as th
   register memory in place or cannot read registered memory through the host pointer.
 
 Either memory is what zero-copy device views read. Registered pages are unregistered by
-`HostAllocation.release`; an allocation, and any memory whose last tensor died unreleased,
-is given back by the next `drain_retired` (never inside a CUDA graph capture). Nothing here decides whether or how to
-pin: `CudaRuntime` calls it as the plan says, with the CUDA calls injected (so tests can
-fail them).
+`HostAllocation.release`; an allocation, and any memory whose last tensor died
+unreleased, is given back by the next `drain_retired` (never inside a CUDA graph
+capture). Nothing here decides whether or how to pin: `CudaRuntime` calls it as the plan
+says, with the CUDA calls injected (so tests can fail them).
 """
 
 from __future__ import annotations
