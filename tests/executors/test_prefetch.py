@@ -179,8 +179,8 @@ def test_compiled_fullgraph_parity(config: OffloadConfig) -> None:
         assert off.stats().copies_issued == expected_copies(plan, forwards)[0]
 
 
-# Importing inductor touches torch.jit.script_method, which torch 2.13 deprecates.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+# Importing inductor reaches torch.jit.script(_method), deprecated since torch 2.10.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
 def test_inductor_keeps_weight_only_math_after_the_wait() -> None:
     """Int8 layers dequantise from their weights alone (``qweight.to(dtype) * scale``),
     which the wait op's mutated activation does not order. Were the compiler to move that

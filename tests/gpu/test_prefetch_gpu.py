@@ -33,6 +33,15 @@ from offload.graphs import capture_forward
 from tests.executors.models import Int8Linear, SlicedBlock, TransformerBlock, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime
 
+# Importing inductor reaches torch.jit.script(_method), deprecated since torch 2.10; on
+# float32 GEMMs inductor warns that TF32 is available but off (the eager reference does not
+# use it either, so it stays off).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Please use the new API settings to control TF32:UserWarning"),
+]
+
 HIDDEN = 1024  # qkv 6 MiB, out 2 MiB, up and down 8 MiB each: about 24 MiB per layer in bf16
 TOKENS = 128
 NUM_LAYERS = 6
@@ -119,7 +128,8 @@ def test_cuda_graph_capture_and_replay_parity(config: OffloadConfig) -> None:
         graph.replay()
         ref_graph.replay()
         assert torch.equal(static_out, ref_out)
-        torch.testing.assert_close(static_out, reference(x))  # and it is this input's output
+        # ... and it is this input's output (eager kernels may round differently from replay)
+        torch.testing.assert_close(static_out, reference(x), atol=2e-2, rtol=2e-2)
     # Replays back to back (no sync in between), as a serving loop runs them.
     for x in xs:
         static_x.copy_(x)
@@ -231,20 +241,27 @@ def test_capture_with_pinning_disabled_raises_execution_error() -> None:
 def test_sliced_weights_with_gaps_capture_and_replay() -> None:
     """Weights whose strides leave gaps are copied as one byte span: no pageable staging,
     so the copies can be captured (an element-wise copy_ would be refused in capture)."""
-    torch.manual_seed(9)
-    with torch.device("cuda"):
-        model = nn.Sequential(*[SlicedBlock(HIDDEN, torch.bfloat16) for _ in range(4)]).requires_grad_(False)
-    assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
-    xs = list(gpu_inputs(seed=10, count=3))
-    expected = [model(x) for x in xs]  # the model itself, resident (a deep copy would be contiguous)
+
+    def sliced_model() -> nn.Sequential:
+        torch.manual_seed(9)
+        with torch.device("cuda"):
+            return nn.Sequential(*[SlicedBlock(HIDDEN, torch.bfloat16) for _ in range(4)]).requires_grad_(False)
+
+    model, reference = sliced_model(), sliced_model()  # equal weights and strides (a deep copy would be contiguous)
+    assert model[0].get_parameter("weight").stride() == reference[0].get_parameter("weight").stride() == (
+        2 * HIDDEN, 2)
     off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
-    static_x = xs[0].clone()
+    xs = list(gpu_inputs(seed=10, count=3))
+    static_x, ref_x = xs[0].clone(), xs[0].clone()
     graph, static_out = capture_forward(model, static_x, off)
-    for x, want in zip(xs, expected, strict=True):
+    ref_graph, ref_out = capture_forward(reference, ref_x, None)  # the same captured kernels, resident
+    for x in xs:
         static_x.copy_(x)
+        ref_x.copy_(x)
         off.sync_prev_onload()
         graph.replay()
-        assert torch.equal(static_out, want)
+        ref_graph.replay()
+        assert torch.equal(static_out, ref_out)
     off.restore()
     assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
 
