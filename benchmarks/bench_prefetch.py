@@ -9,8 +9,9 @@ Per row it prints the measured steady-state step time (several back-to-back step
 together, divided by their number: with circular prefetch the first layers of the next
 step load during the current one), the resident step time (every weight on the device,
 same mode), the pinned host-to-device bandwidth measured here with a 1 GiB copy, the limit
-max(resident, offloaded bytes per step / bandwidth), and the ratio to it. Target: every
-ratio at most 1.02.
+max(resident, offloaded bytes per step / bandwidth), the ratio to it, and (eager rows) the
+time per step the compute stream stood waiting for copies (``stats().wait_seconds``).
+Target: every ratio at most 1.02.
 
 Run: ``python benchmarks/bench_prefetch.py`` (about 1 to 2 minutes on an H200; needs
 6 GiB of device memory and up to 7 GiB of pinned host memory). Without CUDA it says so
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{HIDDEN}x{INNER} + {INNER}x{HIDDEN} (256 MiB each), prefetch_step {PREFETCH_STEP}")
     print(f"pinned host-to-device bandwidth (1 GiB copy): {bandwidth / 1e9:.1f} GB/s")
     header = (f"{'mode':<6} {'tokens':>6} {'offload':>9} {'GiB/step':>8} {'step ms':>9} {'resident ms':>11} "
-              f"{'GB/s':>6} {'limit ms':>9} {'ratio':>6}  target")
+              f"{'GB/s':>6} {'limit ms':>9} {'ratio':>6} {'wait ms':>8}  target")
     print(header)
     misses = 0
     rows = 0
@@ -133,24 +134,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         off.post_init()
         link = plan.offloaded_bytes / bandwidth
         label = "all" if every == 1 else f"1 in {every}"
-        measured: list[tuple[str, int, float, float]] = []
+        # (mode, tokens, step seconds, resident seconds, seconds per step the compute
+        # stream waited for copies: stats().wait_seconds, not measured inside graphs)
+        measured: list[tuple[str, int, float, float, float | None]] = []
         for t in TOKENS:
-            measured.append(("eager", t, timed(forward_on(t)), resident[t]))
+            waited = off.stats().wait_seconds
+            step = timed(forward_on(t))
+            waited = None if waited is None else (off.stats().wait_seconds or 0.0) - waited
+            measured.append(("eager", t, step, resident[t],
+                             None if waited is None else waited / (args.warmup + args.steps)))
         if plan.pin.pin:
             graph_x.copy_(xs[GRAPH_TOKENS])
             graph, _ = capture_forward(model, graph_x, off)
-            measured.append(("graph", GRAPH_TOKENS, timed(graph.replay), resident_replay))
+            measured.append(("graph", GRAPH_TOKENS, timed(graph.replay), resident_replay, None))
             del graph
         else:
             print(f"(graph row skipped for {label}: pinning is off, {plan.pin.explanation})")
-        for mode, tokens, step, base in measured:
+        for mode, tokens, step, base, wait in measured:
             limit = max(base, link)
             ratio = step / limit
             ok = ratio <= TARGET
             rows += 1
             misses += not ok
             print(f"{mode:<6} {tokens:>6} {label:>9} {plan.offloaded_bytes / 2**30:>8.2f} {step * 1e3:>9.2f} "
-                  f"{base * 1e3:>11.2f} {bandwidth / 1e9:>6.1f} {limit * 1e3:>9.2f} {ratio:>6.3f}  "
+                  f"{base * 1e3:>11.2f} {bandwidth / 1e9:>6.1f} {limit * 1e3:>9.2f} {ratio:>6.3f} "
+                  f"{'-' if wait is None else f'{wait * 1e3:.2f}':>8}  "
                   f"{'ok' if ok else 'MISS'} (<= {TARGET})")
         off.restore()
         torch.cuda.synchronize()
