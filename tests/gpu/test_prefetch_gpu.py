@@ -110,33 +110,40 @@ def test_parity_with_real_streams(config: OffloadConfig) -> None:
         assert torch.equal(model(x), reference(x))
 
 
+class ReplayPair:
+    """The offloaded model and its resident twin, each captured in a CUDA graph, so that
+    both sides run the same captured kernels and can be compared bit for bit."""
+
+    def __init__(self, model: nn.Module, reference: nn.Module, off: PrefetchOffloader, first: torch.Tensor) -> None:
+        self.off = off
+        self.static_x, self.ref_x = first.clone(), first.clone()
+        self.graph, self.out = capture_forward(model, self.static_x, off)
+        self.ref_graph, self.ref_out = capture_forward(reference, self.ref_x, None)
+
+    def replay(self, x: torch.Tensor, *, sync: bool) -> None:
+        """Replay both on `x` (after `sync_prev_onload` when `sync`) and check they agree."""
+        self.static_x.copy_(x)
+        self.ref_x.copy_(x)
+        if sync:
+            self.off.sync_prev_onload()
+        self.graph.replay()
+        self.ref_graph.replay()
+        assert torch.equal(self.out, self.ref_out)
+
+
 @pytest.mark.parametrize("config", CONFIGS[:3])
 def test_cuda_graph_capture_and_replay_parity(config: OffloadConfig) -> None:
     model = gpu_model()
     reference = copy.deepcopy(model)
     off = offload(model, plan_for(model, config))
     xs = list(gpu_inputs(seed=3, count=5))
-    static_x = xs[0].clone()
-    ref_x = xs[0].clone()
-    graph, static_out = capture_forward(model, static_x, off)
-    # The resident reference is captured too, so both sides run the same captured kernels.
-    ref_graph, ref_out = capture_forward(reference, ref_x, None)
+    pair = ReplayPair(model, reference, off, xs[0])
     for x in xs:
-        static_x.copy_(x)
-        ref_x.copy_(x)
-        off.sync_prev_onload()
-        graph.replay()
-        ref_graph.replay()
-        assert torch.equal(static_out, ref_out)
+        pair.replay(x, sync=True)
         # ... and it is this input's output (eager kernels may round differently from replay)
-        torch.testing.assert_close(static_out, reference(x), atol=2e-2, rtol=2e-2)
-    # Replays back to back (no sync in between), as a serving loop runs them.
-    for x in xs:
-        static_x.copy_(x)
-        ref_x.copy_(x)
-        graph.replay()
-        ref_graph.replay()
-        assert torch.equal(static_out, ref_out)
+        torch.testing.assert_close(pair.out, reference(x), atol=2e-2, rtol=2e-2)
+    for x in xs:  # back to back (no sync in between), as a serving loop runs them
+        pair.replay(x, sync=False)
 
 
 def test_compiled_parity_aot_eager() -> None:
@@ -252,16 +259,9 @@ def test_sliced_weights_with_gaps_capture_and_replay() -> None:
         2 * HIDDEN, 2)
     off = offload(model, plan_for(model, OffloadConfig(group_size=1, prefetch_step=2)))
     xs = list(gpu_inputs(seed=10, count=3))
-    static_x, ref_x = xs[0].clone(), xs[0].clone()
-    graph, static_out = capture_forward(model, static_x, off)
-    ref_graph, ref_out = capture_forward(reference, ref_x, None)  # the same captured kernels, resident
+    pair = ReplayPair(model, reference, off, xs[0])
     for x in xs:
-        static_x.copy_(x)
-        ref_x.copy_(x)
-        off.sync_prev_onload()
-        graph.replay()
-        ref_graph.replay()
-        assert torch.equal(static_out, ref_out)
+        pair.replay(x, sync=True)
     off.restore()
     assert model[0].get_parameter("weight").stride() == (2 * HIDDEN, 2)
 
