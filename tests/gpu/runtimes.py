@@ -1,15 +1,20 @@
-"""`RecordingCudaRuntime`: a `CudaRuntime` that remembers every host copy it made."""
+"""`RecordingCudaRuntime`: a `CudaRuntime` that remembers every host copy it made; and
+`measure_freed`, the device-memory measurement the GPU tests share."""
 
 from __future__ import annotations
 
-from typing import final
+import gc
+from collections.abc import Callable
+from typing import TypeVar, final
 
 import attrs
 import torch
 
 from offload import CudaRuntime, PinMethod
 
-__all__ = ["HostRecord", "RecordingCudaRuntime"]
+__all__ = ["HostRecord", "RecordingCudaRuntime", "measure_freed"]
+
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -89,3 +94,21 @@ class RecordingCudaRuntime:
 
     def synchronize(self) -> None:
         self._cuda.synchronize()
+
+
+def measure_freed(action: Callable[[], T]) -> tuple[T, int, int]:
+    """Run `action` and measure the device memory it freed.
+
+    Returns:
+        What `action` returned, the bytes allocated before it, and the bytes it freed.
+    """
+    gc.collect()  # earlier tests' models (kept in reference cycles by their hooks) go now ...
+    gc.disable()  # ... and not in the middle of the measurement
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        result = action()
+        torch.cuda.synchronize()
+        return result, before, before - torch.cuda.memory_allocated()
+    finally:
+        gc.enable()

@@ -8,7 +8,6 @@ copies take long enough for a missing wait to show, and the tier stays well unde
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import time
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from offload import (
 )
 from offload.graphs import capture_forward
 from tests.executors.models import Int8Linear, SlicedBlock, TransformerBlock, bits, layer_list
-from tests.gpu.runtimes import RecordingCudaRuntime
+from tests.gpu.runtimes import RecordingCudaRuntime, measure_freed
 
 # Importing inductor reaches torch.jit.script(_method), deprecated since torch 2.10; on
 # float32 GEMMs inductor warns that TF32 is available but off (the eager reference does not
@@ -178,16 +177,7 @@ def test_device_memory_freed_matches_the_plan() -> None:
     plan = plan_for(model, OffloadConfig(group_size=1, prefetch_step=2))
     expected = plan.device_bytes_freed - plan.device_bytes_buffers
     assert expected > 0
-    gc.collect()  # earlier tests' models (kept in reference cycles by their hooks) go now ...
-    gc.disable()  # ... and not in the middle of the measurement
-    try:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        off = offload(model, plan)
-        torch.cuda.synchronize()
-        freed = before - torch.cuda.memory_allocated()
-    finally:
-        gc.enable()
+    off, before, freed = measure_freed(lambda: offload(model, plan))
     assert abs(freed - expected) <= 0.01 * expected, (freed, expected)
     assert off.stats().device_buffer_bytes == plan.device_bytes_buffers
     off.restore()

@@ -15,7 +15,6 @@ the process allocates meanwhile (which a VmRSS or MemAvailable delta is not).
 from __future__ import annotations
 
 import copy
-import gc
 import itertools
 import os
 import re
@@ -44,7 +43,7 @@ from offload import (
 from offload.graphs import capture_forward
 from tests.executors.models import TransformerBlock, bits, layer_list
 from tests.executors.uva_helpers import OptionalTiedBlock
-from tests.gpu.runtimes import RecordingCudaRuntime
+from tests.gpu.runtimes import RecordingCudaRuntime, measure_freed
 
 HIDDEN = 1024
 TOKENS = 64
@@ -145,16 +144,7 @@ def test_device_memory_freed_matches_the_plan(uva: bool) -> None:
     plan = plan_for(model, uva=uva)
     expected = plan.device_bytes_freed
     assert expected > 0 and plan.device_bytes_buffers == 0
-    gc.collect()  # earlier tests' models (kept in reference cycles by their hooks) go now ...
-    gc.disable()  # ... and not in the middle of the measurement
-    try:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        off = offload(model, plan)
-        torch.cuda.synchronize()
-        freed = before - torch.cuda.memory_allocated()
-    finally:
-        gc.enable()
+    off, before, freed = measure_freed(lambda: offload(model, plan))
     assert abs(freed - expected) <= 0.01 * expected, (freed, expected)
     model(next(gpu_inputs(seed=3, count=1)))
     off.restore()
