@@ -2,24 +2,49 @@
 
 For each file this reads the 8-byte header length and the JSON header, nothing more: a
 70B checkpoint is planned in milliseconds without touching its 140 GB of data. The
-parsing and the grouping into layers are pure (`offload.pure.safetensors`); this module
-only finds the files and reads their first bytes.
+parsing, the index checks and the grouping into layers are pure
+(`offload.pure.safetensors`); this module only finds the files and reads their first
+bytes.
+
+Which files: a directory's ``*.safetensors`` files, or, when the directory holds an index
+(``*.safetensors.index.json``, e.g. ``model.safetensors.index.json``), exactly the shards
+its ``weight_map`` names, each checked to hold exactly the tensors the index maps to it.
+``.safetensors`` files the index does not name (leftovers, or Mistral's
+``consolidated.safetensors`` beside its sharded copy) are not read, and a warning names
+them: that is what loaders do, and an error would refuse real repositories. Every
+``.safetensors`` entry that is not a regular file (a dangling symlink, a symlink loop, a
+FIFO) is an error naming it, indexed or not, because it is the trace of a broken
+download; a directory with such a name is not a shard and is skipped. File names are
+shown as they are when printable, else as their ``repr``, so every message is one line.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import struct
+from collections.abc import Mapping
 from io import RawIOBase
 from pathlib import Path
 from typing import NoReturn
 
 from offload.errors import CheckpointError
-from offload.pure.safetensors import CheckpointSpec, TensorHeader, parse_safetensors_header, spec_from_tensors
+from offload.pure.safetensors import (
+    SHARD_SUFFIX,
+    CheckpointSpec,
+    TensorHeader,
+    check_index,
+    parse_safetensors_header,
+    parse_safetensors_index,
+    printable,
+    spec_from_tensors,
+)
 from offload.pure.spec import ModelSpec
 
 __all__ = [
+    "INDEX_SUFFIX",
     "MAX_HEADER_BYTES",
     "checkpoint_files",
     "read_checkpoint",
@@ -27,14 +52,23 @@ __all__ = [
     "spec_from_checkpoint",
 ]
 
-#: The largest header we read, in bytes (100 MiB, the limit the safetensors library
-#: enforces too); a larger length field means a corrupt or foreign file.
+#: The largest header (and index) we read, in bytes (100 MiB, the limit the safetensors
+#: library enforces too); a larger length field means a corrupt or foreign file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: The name ending of a sharded checkpoint's index.
+INDEX_SUFFIX = ".safetensors.index.json"
 
-_SUFFIX = ".safetensors"
+_SUFFIX = SHARD_SUFFIX
 _LENGTH = struct.Struct("<Q")
 
 logger = logging.getLogger("offload.checkpoint")
+
+#: (the shards to read, the index path and its weight map when there is one)
+_Layout = tuple[tuple[Path, ...], Path | None, Mapping[str, str] | None]
+
+
+def _shown(path: Path | str) -> str:
+    return printable(str(path))
 
 
 def _fail(message: str, path: Path, value: object = None) -> NoReturn:
@@ -43,39 +77,108 @@ def _fail(message: str, path: Path, value: object = None) -> NoReturn:
 
 def _os_error(path: Path, error: OSError) -> NoReturn:
     reason = error.strerror or type(error).__name__
-    raise CheckpointError(f"{path}: cannot read: {reason}", name=str(path), value=error.errno) from error
+    raise CheckpointError(f"{_shown(path)}: cannot read: {reason}", name=str(path), value=error.errno) from error
 
 
-def checkpoint_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
-    """The safetensors files a checkpoint path names.
+def _check_regular(path: Path) -> None:
+    """Refuse `path` unless it is a regular file, or symlinks that end at one."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            _fail(f"{_shown(path)}: symlink loop", path)
+        if error.errno == errno.ENOENT and path.is_symlink():
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            _fail(f"{_shown(path)}: dangling symlink to {_shown(target)}", path, target)
+        _os_error(path, error)
+    if not stat.S_ISREG(mode):
+        _fail(f"{_shown(path)}: not a regular file", path, stat.S_IFMT(mode))
 
-    Args:
-        path: a directory holding ``*.safetensors`` files (not searched recursively), or
-            one ``.safetensors`` file.
 
-    Returns:
-        The files, sorted by name.
+def _shards_in(folder: Path) -> list[Path]:
+    """The ``.safetensors`` entries of `folder` that are not directories, each checked."""
+    shards = sorted(child for child in folder.iterdir() if child.name.endswith(_SUFFIX) and not child.is_dir())
+    for shard in shards:
+        _check_regular(shard)
+    return shards
 
-    Raises:
-        CheckpointError: the path does not exist, is neither a directory nor a
-            ``.safetensors`` file, cannot be listed, or holds no ``.safetensors`` file.
-    """
+
+def _indexed(index: Path, present: list[Path]) -> _Layout:
+    """The shards `index` names, checked to exist as regular files; warns of the others."""
+    _check_regular(index)
+    if index.stat().st_size > MAX_HEADER_BYTES:
+        _fail(f"{_shown(index)}: index is larger than {MAX_HEADER_BYTES} bytes (not an index, or corrupt)", index)
+    try:
+        raw = index.read_bytes()
+    except OSError as error:
+        _os_error(index, error)
+    weight_map = parse_safetensors_index(raw, source=_shown(index))
+    folder = index.parent
+    names = sorted(set(weight_map.values()))
+    files: list[Path] = []
+    for name in names:
+        shard = folder / name
+        if not os.path.lexists(shard):
+            _fail(f"{_shown(index)}: names shard {printable(name)}, which is not in {_shown(folder)}", shard)
+        _check_regular(shard)
+        files.append(shard)
+    unnamed = [path.name for path in present if path.name not in set(names)]
+    if unnamed:
+        logger.warning("%s: %d .safetensors files the index does not name are not read: %s",
+                       _shown(index), len(unnamed), ", ".join(printable(name) for name in unnamed))
+    return tuple(files), index, weight_map
+
+
+def _layout(path: str | os.PathLike[str]) -> _Layout:
     root = Path(path)
     try:
         if root.is_dir():
-            files = tuple(sorted(child for child in root.iterdir() if child.name.endswith(_SUFFIX) and child.is_file()))
-            if not files:
-                _fail(f"{root}: no {_SUFFIX} files in this directory", root)
-            return files
+            shards = _shards_in(root)
+            indexes = sorted(child for child in root.iterdir() if child.name.endswith(INDEX_SUFFIX))
+            if len(indexes) > 1:
+                names = [child.name for child in indexes]
+                _fail(f"{_shown(root)}: {len(indexes)} indexes ({', '.join(printable(n) for n in names)}); "
+                      "give the path of the one to read", root, names)
+            if indexes:
+                return _indexed(indexes[0], shards)
+            if not shards:
+                _fail(f"{_shown(root)}: no {_SUFFIX} files in this directory", root)
+            return tuple(shards), None, None
+        if root.name.endswith(INDEX_SUFFIX) and os.path.lexists(root):
+            return _indexed(root, _shards_in(root.parent))
+        if root.name.endswith(_SUFFIX) and os.path.lexists(root):
+            _check_regular(root)
+            return (root,), None, None
         if root.is_file():
-            if not root.name.endswith(_SUFFIX):
-                _fail(f"{root}: not a {_SUFFIX} file or a directory of them", root)
-            return (root,)
+            _fail(f"{_shown(root)}: not a {_SUFFIX} file, an index or a directory of them", root)
     except OSError as error:
         _os_error(root, error)
     if not os.path.lexists(root):
-        _fail(f"{root}: no such file or directory", root)
-    _fail(f"{root}: not a regular file or a directory", root)
+        _fail(f"{_shown(root)}: no such file or directory", root)
+    _fail(f"{_shown(root)}: not a regular file or a directory", root)
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """The safetensors files a checkpoint path names (see the module docstring).
+
+    Args:
+        path: a directory holding ``*.safetensors`` files (not searched recursively) and
+            perhaps one index; an index file; or one ``.safetensors`` file.
+
+    Returns:
+        The files to read, sorted by name: the shards the index names when there is one,
+        else every ``.safetensors`` file of the directory.
+
+    Raises:
+        CheckpointError: the path does not exist, is none of the above, cannot be listed,
+            or holds no ``.safetensors`` file; a ``.safetensors`` entry is a dangling
+            symlink, a symlink loop or not a regular file; the directory holds two
+            indexes; the index is malformed or names a shard that is missing or broken.
+    """
+    return _layout(path)[0]
 
 
 def _read_exactly(file: RawIOBase, size: int, path: Path, what: str) -> bytes:
@@ -85,7 +188,7 @@ def _read_exactly(file: RawIOBase, size: int, path: Path, what: str) -> bytes:
     while len(data) < size:
         chunk = file.read(size - len(data))
         if not chunk:
-            _fail(f"{path}: truncated: the {what} needs {size} bytes, found {len(data)}", path, len(data))
+            _fail(f"{_shown(path)}: truncated: the {what} needs {size} bytes, found {len(data)}", path, len(data))
         data += chunk
     return bytes(data)
 
@@ -111,16 +214,16 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
             file_bytes = os.fstat(file.fileno()).st_size
             (header_bytes,) = _LENGTH.unpack(_read_exactly(file, _LENGTH.size, file_path, "header length"))
             if header_bytes > MAX_HEADER_BYTES:
-                _fail(f"{file_path}: header length {header_bytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
+                _fail(f"{_shown(file_path)}: header length {header_bytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
                       "(not a safetensors file, or corrupt)", file_path, header_bytes)
             if header_bytes > file_bytes - _LENGTH.size:
-                _fail(f"{file_path}: truncated: header length {header_bytes} bytes but only "
+                _fail(f"{_shown(file_path)}: truncated: header length {header_bytes} bytes but only "
                       f"{file_bytes - _LENGTH.size} bytes follow the length field", file_path, header_bytes)
             header = _read_exactly(file, header_bytes, file_path, "header")
     except OSError as error:
         _os_error(file_path, error)
     data_bytes = file_bytes - _LENGTH.size - header_bytes
-    tensors = parse_safetensors_header(header, source=str(file_path), data_bytes=data_bytes)
+    tensors = parse_safetensors_header(header, source=_shown(file_path), data_bytes=data_bytes)
     logger.debug("%s: %d tensors, header %d bytes, data %d bytes", file_path, len(tensors), header_bytes, data_bytes)
     return tensors
 
@@ -129,29 +232,35 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointSpec:
     """Read every header of a checkpoint and group its tensors into layers.
 
     Args:
-        path: a directory of ``*.safetensors`` files, or one such file.
+        path: a directory of ``*.safetensors`` files (with or without an index), an index
+            file, or one ``.safetensors`` file.
 
     Returns:
-        The layers to plan with and the tensors outside every layer (which the CLI
-        reports as not offloaded).
+        The layers to plan with, the stacks they come from, and the tensors outside every
+        layer (which the CLI reports, and counts as resident device bytes in a fit).
 
     Raises:
         CheckpointError: any reason `checkpoint_files` or `read_safetensors_header`
-            gives; a tensor name in two files (names both); no layer names; missing layers.
+            gives; a tensor name in two files (names both); a tensor in another shard
+            than the index says, in none, or in a shard but not in the index; no layer
+            names; missing layers.
     """
-    files = checkpoint_files(path)
+    files, index, weight_map = _layout(path)
     owner: dict[str, Path] = {}
     tensors: list[TensorHeader] = []
     for file_path in files:
         for tensor in read_safetensors_header(file_path):
             first = owner.setdefault(tensor.name, file_path)
             if first != file_path:
-                raise CheckpointError(f"tensor {tensor.name!r} is in both {first} and {file_path}",
+                raise CheckpointError(f"tensor {tensor.name!r} is in both {_shown(first)} and {_shown(file_path)}",
                                       name=tensor.name, value=(str(first), str(file_path)))
             tensors.append(tensor)
+    if index is not None and weight_map is not None:
+        check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
     result = spec_from_tensors(tensors)
-    logger.debug("%s: %d files, %d layers, %d tensors outside layers",
-                 path, len(files), len(result.spec.layers), len(result.outside_layers))
+    logger.debug("%s: %d files, %d layers, %d tensors outside layers (stacks: %s)",
+                 _shown(os.fspath(path)), len(files), len(result.spec.layers), len(result.outside_layers),
+                 ", ".join(stack.name for stack in result.stacks))
     return result
 
 

@@ -26,7 +26,7 @@ from offload.pure.estimate import Workload, estimate
 from offload.pure.fit import fit
 from offload.pure.fit_render import render_estimate, render_fit
 from offload.pure.planner import make_plan
-from offload.pure.presets import PRESETS, preset_spec
+from offload.pure.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.profiles import (
     PROFILES,
     DeviceProfile,
@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "source",
         nargs="?",
-        default=DEFAULT_SOURCE,
-        help=f"a preset ({', '.join(sorted(PRESETS))}) or a directory of .safetensors files "
+        default=None,
+        help=f"a preset ({', '.join(sorted(PRESETS))}), a directory of .safetensors files or their index "
         f"(default {DEFAULT_SOURCE})",
     )
     plan.add_argument("--backend", choices=["auto", "prefetch", "uva", "none"], help="default: auto")
@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--num-in-group", type=_positive_int, help="prefetch: offloaded layers per group")
     plan.add_argument("--prefetch-step", type=_positive_int, help="prefetch: depth (layers ahead)")
     plan.add_argument("--uva-gib", type=_gib, help="uva: GiB of parameters to offload")
-    plan.add_argument("--filter", nargs="+", default=[], metavar="SEG",
-                      help="only offload parameters whose names contain one of these dotted segments")
+    plan.add_argument("--filter", nargs="+", action="extend", default=[], metavar="SEG",
+                      help="only offload parameters whose names contain one of these dotted segments "
+                      "(repeatable; a last word after a segment that is a preset or an existing path is SOURCE)")
     plan.add_argument("--device-gib", type=_gib,
                       help="plan for a CUDA device of this many GiB instead of this machine")
     plan.add_argument("--params", action="store_true", help="one row per parameter")
@@ -137,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _take_source(args: argparse.Namespace) -> None:
+    """Set ``args.source``: SOURCE as given, else the last word after ``--filter`` when at
+    least one segment precedes it and it is a preset or an existing path (``--filter SEG ...``
+    takes every following word), else the default."""
+    if args.source is not None:
+        return
+    words: list[str] = args.filter
+    if len(words) >= 2 and (words[-1] in PRESETS or os.path.exists(words[-1])):
+        args.source = words.pop()
+    else:
+        args.source = DEFAULT_SOURCE
+
+
 def _capture() -> EnvSnapshot:
     from offload.capture import capture_env  # imports torch: only when a command needs it
 
@@ -158,24 +172,55 @@ def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
     return OffloadConfig(**given, param_filter=tuple(args.filter)), False
 
 
-def _source(name: str) -> tuple[ModelSpec, str]:
-    """The spec for SOURCE, and a one-line description of where it came from."""
+@attrs.frozen(kw_only=True)
+class _Source:
+    """What SOURCE gives: the layers, where they came from, and what lies outside them."""
+
+    spec: ModelSpec
+    origin: str  # one line: "preset llama-8b (...)" or "checkpoint DIR"
+    outside_bytes: int  # weights outside the layers, resident on the device
+    details: tuple[str, ...]  # lines to print under the model line: stacks, outside
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _source(name: str, *, counted: str) -> _Source:
+    """The spec for SOURCE, a description of it, and its outside bytes; `counted` ends the
+    line about those bytes (whether the output below counts them)."""
     if os.path.exists(name):
         from offload.checkpoint import read_checkpoint
+        from offload.pure.safetensors import printable
 
         result = read_checkpoint(name)
-        outside = result.outside_layers
-        note = (
-            f"; {len(outside)} tensors ({format_bytes(sum(t.nbytes for t in outside))}) outside layers stay resident"
-            if outside
-            else ""
-        )
-        return result.spec, f"checkpoint {name}{note}"
+        details = [
+            f"stack:    {printable(stack.name)}: {_count(stack.num_layers, 'layer')} (plan layers "
+            f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"
+            for stack in result.stacks
+        ]
+        if result.outside_layers:
+            details.append(f"outside:  {_count(len(result.outside_layers), 'tensor')} outside the layers, "
+                           f"{format_bytes(result.outside_bytes)}, resident on the device; {counted}")
+        return _Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
+                       details=tuple(details))
     if name in PRESETS:
-        return preset_spec(name), f"preset {name} (decoder layers, bf16, shapes only)"
+        outside = preset_outside_bytes(name)
+        return _Source(spec=preset_spec(name), origin=f"preset {name} (decoder layers, bf16, shapes only)",
+                       outside_bytes=outside,
+                       details=(f"outside:  embeddings, output head and final norm, {format_bytes(outside)}, "
+                                f"resident on the device; {counted}",))
     raise _UserError(
         f"offload plan: {name!r} is neither an existing path nor a preset ({', '.join(sorted(PRESETS))})"
     )
+
+
+def _print_model(source: _Source) -> None:
+    spec = source.spec
+    print(f"model:    {source.origin}: {len(spec.layers)} layers, {spec.num_params} parameters, "
+          f"{format_bytes(spec.nbytes)}")
+    for line in source.details:
+        print(line)
 
 
 def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
@@ -215,7 +260,8 @@ def _cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise _UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
-    spec, origin = _source(args.source)
+    source = _source(args.source, counted="counted in the fit")
+    spec = source.spec
     budget = round(args.fit_gib * GIB)
     env = _planning_env(args)
     if not env.platform.has_cuda:
@@ -224,23 +270,26 @@ def _cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
     result = fit(
         spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
-        reserve_bytes=round(args.reserve_gib * GIB), param_filter=tuple(args.filter),
+        outside_bytes=source.outside_bytes, reserve_bytes=round(args.reserve_gib * GIB),
+        param_filter=tuple(args.filter),
     )
     if args.json:
         print(result.to_json(indent=2))
         return 0
-    print(f"model:    {origin}: {len(spec.layers)} layers, {spec.num_params} parameters, {format_bytes(spec.nbytes)}")
+    _print_model(source)
     print(f"profile:  {profile.name} ({profile.device_name})")
     print(render_fit(result))
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    _take_source(args)
     profile = _profile(args)
     if args.fit_gib is not None:
         return _cmd_fit(args, profile)
     config, is_default = _config(args)
-    spec, origin = _source(args.source)
+    source = _source(args.source, counted="not in the plan's totals, which cover the layers")
+    spec = source.spec
     env = _planning_env(args)
     matched = ""
     if profile is None and env.platform.has_cuda:
@@ -258,7 +307,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if platform.has_cuda
         else "no accelerator (the compute device is the CPU)"
     )
-    print(f"model:    {origin}: {len(spec.layers)} layers, {spec.num_params} parameters, {format_bytes(spec.nbytes)}")
+    _print_model(source)
     print(f"device:   {device}")
     if is_default:
         print(

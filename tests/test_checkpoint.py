@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import struct
 import time
 from pathlib import Path
@@ -74,9 +75,17 @@ def two_shards(tmp_path: Path) -> Path:
     second.update({name: ("F8_E4M3", shape) for name, (_, shape) in layer_tensors(2).items()})
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors", first)
     write_safetensors(tmp_path / "model-00002-of-00002.safetensors", second)
-    (tmp_path / "model.safetensors.index.json").write_text("{}")  # not a shard: ignored
+    write_index(tmp_path, {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": second})
     (tmp_path / "config.json").write_text("{}")
     return tmp_path
+
+
+def write_index(folder: Path, shards: dict[str, Tensors], name: str = "model.safetensors.index.json") -> Path:
+    """The index a sharded writer leaves beside its shards: tensor name -> shard file."""
+    weight_map = {tensor: shard for shard, tensors in shards.items() for tensor in tensors}
+    path = folder / name
+    path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return path
 
 
 def test_two_shards_read_end_to_end(two_shards: Path) -> None:
@@ -124,7 +133,7 @@ def test_a_single_file_is_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_files_are_listed_sorted_and_only_safetensors(tmp_path: Path) -> None:
-    for name in ("b.safetensors", "a.safetensors", "c.bin", "a.safetensors.index.json"):
+    for name in ("b.safetensors", "a.safetensors", "c.bin", "notes.json"):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "sub.safetensors").mkdir()
     assert checkpoint_files(tmp_path) == (tmp_path / "a.safetensors", tmp_path / "b.safetensors")
@@ -207,7 +216,7 @@ def test_empty_directory(tmp_path: Path) -> None:
 def test_a_file_that_is_not_safetensors(tmp_path: Path) -> None:
     (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 100)
     error = checkpoint_error(tmp_path / "pytorch_model.bin")
-    assert "not a .safetensors file or a directory of them" in str(error)
+    assert "not a .safetensors file, an index or a directory of them" in str(error)
 
 
 def test_shorter_than_the_length_field(tmp_path: Path) -> None:
@@ -274,7 +283,7 @@ def test_duplicate_tensor_across_shards_names_both_files(tmp_path: Path) -> None
 def test_no_layers_in_the_checkpoint(tmp_path: Path) -> None:
     write_safetensors(tmp_path / "a.safetensors", {"embed.weight": ("F32", (4, 4))})
     error = checkpoint_error(tmp_path)
-    assert "no layers found" in str(error) and "layers.N, h.N or blocks.N" in str(error)
+    assert "no layers found" in str(error) and "<stack>.<N>.<name>" in str(error)
 
 
 def test_missing_layer_across_shards(tmp_path: Path) -> None:
@@ -309,3 +318,135 @@ def test_an_os_error_while_reading_is_one_line_naming_the_path(tmp_path: Path) -
     assert str(caught.value) == f"{folder}: cannot read: Is a directory"
     assert isinstance(caught.value.__cause__, IsADirectoryError)
     assert caught.value.name == str(folder)
+
+
+# ----------------------------------------------------------------------------- shards and the index
+
+def test_a_symlinked_shard_is_read_through_its_link(tmp_path: Path) -> None:
+    store = tmp_path / "blobs"
+    store.mkdir()
+    write_safetensors(store / "abc123", layer_tensors(0))
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(store / "abc123")
+    assert [layer.name for layer in spec_from_checkpoint(folder).layers] == ["model.layers.0"]
+
+
+@pytest.mark.parametrize("through", ["directory", "file"])
+def test_a_dangling_shard_symlink_is_an_error_naming_it(tmp_path: Path, through: str) -> None:
+    write_safetensors(tmp_path / "a.safetensors", layer_tensors(0))
+    link = tmp_path / "b.safetensors"
+    link.symlink_to(tmp_path / "gone")
+    error = checkpoint_error(tmp_path if through == "directory" else link)
+    assert str(error) == f"{link}: dangling symlink to {tmp_path / 'gone'}"
+    assert error.name == str(link)
+
+
+def test_a_shard_symlink_loop_is_an_error_naming_it(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "a.safetensors", layer_tensors(0))
+    (tmp_path / "b.safetensors").symlink_to(tmp_path / "c.safetensors")
+    (tmp_path / "c.safetensors").symlink_to(tmp_path / "b.safetensors")
+    error = checkpoint_error(tmp_path)
+    assert str(error) == f"{tmp_path / 'b.safetensors'}: symlink loop"
+
+
+def test_a_shard_that_is_not_a_regular_file_is_an_error(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "a.safetensors", layer_tensors(0))
+    os.mkfifo(tmp_path / "b.safetensors")  # opening it would block forever
+    error = checkpoint_error(tmp_path)
+    assert str(error) == f"{tmp_path / 'b.safetensors'}: not a regular file"
+
+
+def test_a_file_name_with_a_newline_stays_on_one_line(tmp_path: Path) -> None:
+    link = tmp_path / "evil\nname.safetensors"
+    link.symlink_to(tmp_path / "gone\x1b")
+    error = checkpoint_error(tmp_path)
+    assert str(error).startswith(repr(str(link)) + ": dangling symlink to ")
+    assert "\x1b" not in str(error)
+    assert error.name == str(link)
+
+
+def test_the_index_decides_which_shards_are_read(two_shards: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A leftover file the index does not name (Mistral's repositories ship
+    # consolidated.safetensors beside the sharded files) is not read, and a warning names it.
+    (two_shards / "consolidated.safetensors").write_bytes(b"not even a header")
+    assert checkpoint_files(two_shards) == (two_shards / "model-00001-of-00002.safetensors",
+                                            two_shards / "model-00002-of-00002.safetensors")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload.checkpoint"):
+        result = read_checkpoint(two_shards)
+    assert len(result.spec.layers) == 3
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "consolidated.safetensors" in warning.getMessage() and "not read" in warning.getMessage()
+
+
+def test_the_index_can_be_given_as_the_path(two_shards: Path) -> None:
+    index = two_shards / "model.safetensors.index.json"
+    assert read_checkpoint(index) == read_checkpoint(two_shards)
+
+
+def test_a_shard_the_index_names_must_exist(two_shards: Path) -> None:
+    shard = two_shards / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    error = checkpoint_error(two_shards)
+    assert str(error) == (f"{two_shards / 'model.safetensors.index.json'}: names shard "
+                          f"model-00002-of-00002.safetensors, which is not in {two_shards}")
+    assert error.name == str(shard)
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop", "directory"])
+def test_a_broken_shard_the_index_names_is_an_error(two_shards: Path, kind: str) -> None:
+    shard = two_shards / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    if kind == "dangling":
+        shard.symlink_to(two_shards / "gone")
+    elif kind == "loop":
+        shard.symlink_to(shard)
+    else:
+        shard.mkdir()
+    error = checkpoint_error(two_shards)
+    expected = {"dangling": f"dangling symlink to {two_shards / 'gone'}", "loop": "symlink loop",
+                "directory": "not a regular file"}[kind]
+    assert str(error) == f"{shard}: {expected}"
+
+
+def test_a_tensor_in_another_shard_than_the_index_says(two_shards: Path) -> None:
+    index = two_shards / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["weight_map"]["model.norm.weight"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(document))
+    error = checkpoint_error(two_shards)
+    assert str(error) == (f"{index}: tensor 'model.norm.weight' is mapped to model-00001-of-00002.safetensors "
+                          "but is in model-00002-of-00002.safetensors")
+    assert error.name == "model.norm.weight"
+
+
+def test_a_tensor_the_index_maps_but_no_shard_holds(two_shards: Path) -> None:
+    index = two_shards / "model.safetensors.index.json"
+    document = json.loads(index.read_text())
+    document["weight_map"]["model.layers.3.mlp.down_proj.weight"] = "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps(document))
+    error = checkpoint_error(two_shards)
+    assert "tensor 'model.layers.3.mlp.down_proj.weight' is mapped to model-00002-of-00002.safetensors, " \
+           "which does not hold it" in str(error)
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("{}", "index has no 'weight_map' object"),
+    ("not json", "index is not valid JSON"),
+    ('{"weight_map": {"w": "../x.safetensors"}}', "is not a file name in the index's directory"),
+])
+def test_a_malformed_index_names_the_index(two_shards: Path, text: str, fragment: str) -> None:
+    index = two_shards / "model.safetensors.index.json"
+    index.write_text(text)
+    error = checkpoint_error(two_shards)
+    assert str(error).startswith(f"{index}: ")
+    assert fragment in str(error)
+
+
+def test_two_indexes_in_one_directory_must_be_chosen_between(two_shards: Path) -> None:
+    write_index(two_shards, {"model-00001-of-00002.safetensors": layer_tensors(0)},
+                name="model.fp16.safetensors.index.json")
+    error = checkpoint_error(two_shards)
+    assert "2 indexes" in str(error) and "model.fp16.safetensors.index.json" in str(error)
+    assert "give the path of the one to read" in str(error)

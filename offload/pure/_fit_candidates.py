@@ -48,6 +48,8 @@ class FitCandidate:
         resident_bytes: weights that stay in device memory.
         buffer_bytes: static prefetch buffers in device memory.
         transient_bytes: the largest layer's on-demand copy (0 unless UVA falls back).
+        outside_bytes: weights outside the layers (embeddings, head, final norm), always
+            resident: the caller's figure.
         reserve_bytes: the caller's reserve.
         host_bytes: host memory for the host copies.
     """
@@ -58,13 +60,15 @@ class FitCandidate:
     resident_bytes: int
     buffer_bytes: int
     transient_bytes: int
+    outside_bytes: int
     reserve_bytes: int
     host_bytes: int
 
     @property
     def device_bytes(self) -> int:
-        """resident + buffers + transient + reserve: what must fit the budget."""
-        return self.resident_bytes + self.buffer_bytes + self.transient_bytes + self.reserve_bytes
+        """resident + buffers + transient + outside + reserve: what must fit the budget."""
+        return (self.resident_bytes + self.buffer_bytes + self.transient_bytes + self.outside_bytes
+                + self.reserve_bytes)
 
 
 def describe(config: OffloadConfig, *, joiner: str = ": ") -> str:
@@ -90,7 +94,8 @@ def _candidate(table: Table, config: OffloadConfig, *, busy: Sequence[float], of
     limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s)
     return FitCandidate(config=config, step_seconds=step, limit_seconds=limit,
                         resident_bytes=table.resident_bytes - host, buffer_bytes=buffers,
-                        transient_bytes=transient, reserve_bytes=table.reserve, host_bytes=host)
+                        transient_bytes=transient, outside_bytes=table.outside, reserve_bytes=table.reserve,
+                        host_bytes=host)
 
 
 def none_candidate(table: Table) -> FitCandidate:
@@ -110,7 +115,7 @@ def uva_candidates(table: Table, budget: int) -> tuple[FitCandidate | None, FitC
             per_layer[layer] += moved
             largest = max(largest, per_layer[layer])
         transient = 0 if table.uva_enabled else largest
-        device = table.resident_bytes - host + transient + table.reserve
+        device = table.resident_bytes - host + transient + table.fixed_bytes
         if host > 0 and (leanest is None or device < leanest[0]):
             leanest = (device, m)
         if host > 0 and device <= budget:
@@ -160,7 +165,7 @@ def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int) ->
     monotone = len(expanded.kinds) == 1
     for depth in range(1, min(len(expanded.positions), max_step) + 1):
         buffers = buffer_bytes(expanded, depth)
-        if table.resident_bytes - layer_set.host_bytes + buffers + table.reserve > budget:
+        if table.resident_bytes - layer_set.host_bytes + buffers + table.fixed_bytes > budget:
             if monotone:
                 break
             continue

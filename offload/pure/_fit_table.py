@@ -72,6 +72,12 @@ class Table:
     workload: Workload
     segments: tuple[str, ...]
     reserve: int
+    outside: int  # weights outside the layers, always resident, bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Device bytes every candidate holds whatever it offloads: outside + reserve."""
+        return self.outside + self.reserve
 
     @property
     def copy_rate(self) -> float:
@@ -95,7 +101,7 @@ def _key(param: ParamSpec) -> Key:
 
 
 def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Workload,
-                segments: tuple[str, ...], reserve: int) -> Table:
+                segments: tuple[str, ...], reserve: int, outside: int = 0) -> Table:
     """Group storages and decide eligibility exactly as `make_plan` does."""
     platform = env.platform
     pin = decide_pinning(env)
@@ -141,7 +147,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), cross=tuple(cross), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
-        segments=segments, reserve=reserve,
+        segments=segments, reserve=reserve, outside=outside,
     )
 
 
@@ -196,7 +202,7 @@ def layer_sets(table: Table) -> list[LayerSet]:
             buffers = sum(present.values())
             out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, cross=cross, host_bytes=host,
                                 bound_seconds=max(compute, copied / rate),
-                                min_device_bytes=table.resident_bytes - host + buffers + table.reserve))
+                                min_device_bytes=table.resident_bytes - host + buffers + table.fixed_bytes))
     return out
 
 

@@ -3,7 +3,9 @@
 Candidates: backend none (all weights resident); prefetch over group size, number in
 group and prefetch depth; UVA over byte budgets. A candidate's device bytes are its
 resident weights + static buffers + the largest layer copied on demand (UVA without
-zero-copy views) + the caller's reserve; its time is `estimate`'s steady-state step.
+zero-copy views) + the weights outside the layers (embeddings, head, final norm: the
+caller's `outside_bytes`, always resident) + the caller's reserve; its time is
+`estimate`'s steady-state step.
 
 Plans are made against `planning_env(env, profile)`: on a machine without CUDA that is a
 CUDA platform describing the profile's device, because `make_plan` frees no device memory
@@ -15,7 +17,7 @@ the others are predicted from a per-layer table of the model (`offload.pure._fit
 that reproduces the planner's selection, buffers and byte totals (tests hold the two
 equal), with the same step simulation `estimate` uses (`offload.pure._fit_candidates`).
 
-1. None: if every resident weight plus the reserve fits, it wins outright (no plan with
+1. None: if every resident weight plus the outside bytes and the reserve fits, it wins outright (no plan with
    offloading is faster than resident compute) and nothing else is searched.
 2. UVA: time grows and device bytes shrink with the bytes offloaded, so only the smallest
    fitting prefix of parameters (in layer order) is a candidate.
@@ -121,6 +123,7 @@ def fit(
     workload: Workload,
     device_budget_bytes: int,
     *,
+    outside_bytes: int = 0,
     reserve_bytes: int = DEFAULT_RESERVE_BYTES,
     param_filter: Sequence[str] = (),
     max_prefetch_step: int = DEFAULT_MAX_PREFETCH_STEP,
@@ -134,7 +137,10 @@ def fit(
         profile: the target device's rates.
         workload: tokens per step, or a measured resident step time.
         device_budget_bytes: device bytes that resident weights, static buffers, on-demand
-            copies and the reserve may take together.
+            copies, the weights outside the layers and the reserve may take together.
+        outside_bytes: device bytes of weights outside the layers (embeddings, output
+            head, final norm), always resident; `spec` does not hold them
+            (`CheckpointSpec.outside_bytes`, `preset_outside_bytes`).
         reserve_bytes: device bytes kept for everything else (activations, caches).
         param_filter: dotted name segments; only matching parameters are offloaded.
         max_prefetch_step: the deepest prefetch searched (>= 1).
@@ -144,18 +150,20 @@ def fit(
         The chosen configuration with its plan and estimate, and the runners-up.
 
     Raises:
-        ConfigError: a negative budget or reserve, a bad filter segment, a bad limit.
+        ConfigError: a negative budget, outside bytes or reserve, a bad filter segment, a
+            bad limit.
         PlanError: nothing fits; the message names the leanest configuration, the device
             bytes it needs and by how many bytes it misses the budget.
     """
     check_int_at_least("device_budget_bytes", device_budget_bytes, 0, ConfigError)
+    check_int_at_least("outside_bytes", outside_bytes, 0, ConfigError)
     check_int_at_least("reserve_bytes", reserve_bytes, 0, ConfigError)
     check_int_at_least("max_prefetch_step", max_prefetch_step, 1, ConfigError)
     check_int_at_least("runners_up", runners_up, 0, ConfigError)
     budget, reserve, max_step, keep = device_budget_bytes, reserve_bytes, max_prefetch_step, runners_up
     segments = OffloadConfig(param_filter=tuple(param_filter)).param_filter  # validates the segments
     penv = planning_env(env, profile)
-    table = build_table(spec, penv, profile, workload, segments, reserve)
+    table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes)
 
     none = none_candidate(table)
     if none.device_bytes <= budget:
@@ -205,7 +213,7 @@ def fit(
             f"{describe(lean.config, joiner=' with ')}, needs {format_bytes(lean.device_bytes)} "
             f"({lean.device_bytes} bytes = "
             f"resident {lean.resident_bytes} + buffers {lean.buffer_bytes} + on-demand {lean.transient_bytes} + "
-            f"reserve {lean.reserve_bytes}), {over} bytes ({format_bytes(over)}) more than the budget",
+            f"outside {lean.outside_bytes} + reserve {lean.reserve_bytes}), {over} bytes ({format_bytes(over)}) more than the budget",
             name="device_budget_bytes",
             value=budget,
         )

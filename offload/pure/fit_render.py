@@ -102,7 +102,8 @@ def render_fit(result: FitResult, *, plan: bool = True, estimate: bool = True) -
         f"{_count(result.workload.tokens_per_step, 'token')} per step",
         f"chosen:  {describe_config(c.config)}",
         f"device:  resident {format_bytes(c.resident_bytes)} + buffers {format_bytes(c.buffer_bytes)} + "
-        f"on-demand {format_bytes(c.transient_bytes)} + reserve {format_bytes(c.reserve_bytes)} = "
+        f"on-demand {format_bytes(c.transient_bytes)} + outside layers {format_bytes(c.outside_bytes)} + "
+        f"reserve {format_bytes(c.reserve_bytes)} = "
         f"{format_bytes(c.device_bytes)} ({c.device_bytes} bytes), {format_bytes(spare)} to spare",
         f"host:    {format_bytes(c.host_bytes)}",
         f"step:    {format_seconds(c.step_seconds)} predicted, limit {format_seconds(c.limit_seconds)}",

@@ -1,8 +1,9 @@
 """Built-in model shapes for `offload plan` without a checkpoint: shapes only, no weights.
 
 Shapes are those of the public configurations (hidden size, intermediate size, heads,
-key-value heads, layers), decoder layers only: embeddings, the final norm and the output
-head are not layers and are not offloaded. All weights are bf16 and not yet loaded
+key-value heads, layers, vocabulary), decoder layers only: embeddings, the final norm and
+the output head are not layers and are not offloaded; `preset_outside_bytes` gives their
+bytes, which stay on the device (and which `fit` counts). All weights are bf16 and not yet loaded
 (device `COMPUTE_DEVICE`). The MoE preset uses the fused expert layout inference engines
 load (``experts.w13_weight`` for gate and up, ``experts.w2_weight`` for down), so that
 filters like ``experts.w2_weight`` can be tried on it.
@@ -15,7 +16,7 @@ from collections.abc import Callable, Mapping
 from offload.errors import PlanError
 from offload.pure.spec import LayerSpec, ModelSpec, ParamSpec, contiguous_stride
 
-__all__ = ["PRESETS", "llama_spec", "mixtral_spec", "preset_spec"]
+__all__ = ["PRESETS", "llama_spec", "mixtral_spec", "preset_outside_bytes", "preset_spec"]
 
 
 def _param(name: str, *shape: int) -> ParamSpec:
@@ -73,6 +74,34 @@ PRESETS: Mapping[str, Callable[[], ModelSpec]] = {
 }
 
 
+#: Preset name -> (vocabulary, hidden size) from the same configurations: the shapes of
+#: what lies outside the decoder layers. All three untie the embedding and the head.
+_OUTSIDE: Mapping[str, tuple[int, int]] = {
+    "llama-8b": (128256, 4096),
+    "llama-70b": (128256, 8192),
+    "mixtral-8x7b": (32000, 4096),
+}
+_BF16 = 2
+
+
+def _unknown(name: str) -> PlanError:
+    return PlanError(f"no preset named {name!r}; presets: {', '.join(sorted(PRESETS))}", name="preset", value=name)
+
+
+def preset_outside_bytes(name: str) -> int:
+    """Bytes of a preset's weights outside its decoder layers, in bf16: the input embedding
+    (vocabulary x hidden), the untied output head (vocabulary x hidden) and the final norm
+    (hidden). They stay on the device.
+
+    Raises:
+        PlanError: no preset has that name; the message lists the ones there are.
+    """
+    if name not in _OUTSIDE:
+        raise _unknown(name)
+    vocab, hidden = _OUTSIDE[name]
+    return _BF16 * (2 * vocab * hidden + hidden)
+
+
 def preset_spec(name: str) -> ModelSpec:
     """The spec of a built-in preset.
 
@@ -81,6 +110,5 @@ def preset_spec(name: str) -> ModelSpec:
     """
     builder = PRESETS.get(name)
     if builder is None:
-        raise PlanError(f"no preset named {name!r}; presets: {', '.join(sorted(PRESETS))}",
-                        name="preset", value=name)
+        raise _unknown(name)
     return builder()

@@ -42,16 +42,16 @@ MAX_STEP = 64  # deeper than any test model has layers: the search covers every 
 
 
 def device_bytes(plan_env: EnvSnapshot, config: OffloadConfig, spec: ModelSpec, tokens: int,
-                 reserve: int) -> tuple[int, float]:
+                 reserve: int, outside: int = 0) -> tuple[int, float]:
     """(device bytes, step seconds) of one configuration, from its plan and estimate."""
     plan = make_plan(spec, config, plan_env)
     step = estimate(plan, TOY, Workload(tokens_per_step=tokens))
     transient = max((layer.on_demand_bytes for layer in step.layers), default=0)
-    return plan.device_bytes_resident + plan.device_bytes_buffers + transient + reserve, step.step_seconds
+    return plan.device_bytes_resident + plan.device_bytes_buffers + transient + outside + reserve, step.step_seconds
 
 
 def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve: int,
-           segments: tuple[str, ...], max_depth: int = MAX_STEP) -> float | None:
+           segments: tuple[str, ...], max_depth: int = MAX_STEP, outside: int = 0) -> float | None:
     """The least step time of any fitting configuration, or None when nothing fits."""
     plan_env = planning_env(env, TOY)
     configs = [OffloadConfig(backend="none")]
@@ -68,14 +68,14 @@ def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve:
             prefix += p.nbytes
             if prefix:
                 configs.append(OffloadConfig(backend="uva", uva_max_bytes=prefix, param_filter=segments))
-    fitting = [step for need, step in (device_bytes(plan_env, c, spec, tokens, reserve) for c in configs)
+    fitting = [step for need, step in (device_bytes(plan_env, c, spec, tokens, reserve, outside) for c in configs)
                if need <= budget]
     return min(fitting) if fitting else None
 
 
 def run(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve: int = 0,
-        segments: tuple[str, ...] = ()) -> FitResult:
-    return fit(spec, env, TOY, Workload(tokens_per_step=tokens), budget, reserve_bytes=reserve,
+        segments: tuple[str, ...] = (), outside: int = 0) -> FitResult:
+    return fit(spec, env, TOY, Workload(tokens_per_step=tokens), budget, outside_bytes=outside, reserve_bytes=reserve,
                param_filter=segments, max_prefetch_step=MAX_STEP)
 
 
@@ -87,25 +87,26 @@ SEGMENTS = st.sampled_from(((), ("weight",), ("mlp",)))
 
 @settings(max_examples=40, deadline=None)
 @given(spec=SPECS, env=ENVS, tokens=TOKENS, fraction=st.floats(0.0, 1.2), reserve=st.integers(0, 64),
-       segments=SEGMENTS)
+       outside=st.integers(0, 64), segments=SEGMENTS)
 def test_fit_is_as_fast_as_the_best_fitting_configuration(spec: ModelSpec, env: EnvSnapshot, tokens: int,
-                                                          fraction: float, reserve: int,
+                                                          fraction: float, reserve: int, outside: int,
                                                           segments: tuple[str, ...]) -> None:
-    budget = int(spec.nbytes * fraction) + reserve // 2
-    best = oracle(spec, env, tokens, budget, reserve, segments)
+    budget = int(spec.nbytes * fraction) + (reserve + outside) // 2
+    best = oracle(spec, env, tokens, budget, reserve, segments, outside=outside)
     if best is None:
         with pytest.raises(PlanError, match="more than the budget"):
-            run(spec, env, tokens, budget, reserve, segments)
+            run(spec, env, tokens, budget, reserve, segments, outside)
         return
-    result = run(spec, env, tokens, budget, reserve, segments)
+    result = run(spec, env, tokens, budget, reserve, segments, outside)
     assert result.chosen.step_seconds == pytest.approx(best, rel=1e-9)
+    assert (result.chosen.outside_bytes, result.chosen.reserve_bytes) == (outside, reserve)
     # The chosen plan fits by the plan's own numbers.
     plan = result.plan
-    assert plan.device_bytes_resident + plan.device_bytes_buffers + reserve <= budget
+    assert plan.device_bytes_resident + plan.device_bytes_buffers + outside + reserve <= budget
     assert result.chosen.device_bytes <= budget
     # Every runner-up is what its own plan says, fits, and is no better than the winner.
     for candidate in result.runners_up:
-        need, step = device_bytes(result.env, candidate.config, spec, tokens, reserve)
+        need, step = device_bytes(result.env, candidate.config, spec, tokens, reserve, outside)
         assert candidate.device_bytes == need
         assert candidate.step_seconds == pytest.approx(step, rel=1e-9)
         assert need <= budget
@@ -235,6 +236,8 @@ def test_unpinned_hosts_prefer_resident_weights() -> None:
     [
         ({"device_budget_bytes": -1}, "device_budget_bytes"),
         ({"device_budget_bytes": 100, "reserve_bytes": -5}, "reserve_bytes"),
+        ({"device_budget_bytes": 100, "outside_bytes": -1}, "outside_bytes"),
+        ({"device_budget_bytes": 100, "outside_bytes": 1.5}, "outside_bytes"),
         ({"device_budget_bytes": 100, "max_prefetch_step": 0}, "max_prefetch_step"),
         ({"device_budget_bytes": 100, "param_filter": ("mlp..up",)}, "param_filter"),
     ],
@@ -243,6 +246,44 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ConfigError) as caught:
         fit(uniform(2), EnvSnapshot(), TOY, Workload(), **kwargs)
     assert caught.value.name == name
+
+
+def test_outside_bytes_are_resident_device_bytes() -> None:
+    """4 layers of one 100-byte weight (400 B) in a 450-byte budget: resident fits alone,
+    not with 100 bytes of embeddings and head beside it; they are always resident, so the
+    device sum counts them once, in every candidate, apart from the reserve."""
+    alone = fit(uniform(4), EnvSnapshot(), TOY, Workload(), 450)
+    assert alone.chosen.config.backend == "none"
+    result = fit(uniform(4), EnvSnapshot(), TOY, Workload(), 450, outside_bytes=100, reserve_bytes=20)
+    assert result.chosen.config.backend != "none"
+    for candidate in (result.chosen, *result.runners_up):
+        assert (candidate.outside_bytes, candidate.reserve_bytes) == (100, 20)
+        assert candidate.device_bytes == (candidate.resident_bytes + candidate.buffer_bytes
+                                          + candidate.transient_bytes + 100 + 20) <= 450
+    text = render_fit(result, plan=False, estimate=False)
+    assert "+ outside layers 100 B + reserve 20 B =" in text
+
+
+def test_the_leanest_names_its_outside_bytes_when_nothing_fits() -> None:
+    with pytest.raises(PlanError) as caught:
+        fit(uniform(4), EnvSnapshot(), TOY, Workload(), 60, outside_bytes=70)
+    assert "+ outside 70 + reserve 0)" in str(caught.value)
+    assert "needs 70 B (70 bytes = resident 0 + buffers 0 + on-demand 0 + outside 70" in str(caught.value)
+
+
+@settings(max_examples=20, deadline=None)
+@given(spec=SPECS, env=ENVS, tokens=TOKENS, fraction=st.floats(0.0, 1.2), outside=st.integers(0, 200))
+def test_outside_bytes_weigh_like_a_reserve(spec: ModelSpec, env: EnvSnapshot, tokens: int, fraction: float,
+                                            outside: int) -> None:
+    budget = int(spec.nbytes * fraction) + outside
+    outcomes: list[tuple[object, ...] | str] = []
+    for kwargs in ({"outside": outside}, {"reserve": outside}):
+        try:
+            chosen = run(spec, env, tokens, budget, **kwargs).chosen  # type: ignore[arg-type]
+            outcomes.append((chosen.config, chosen.device_bytes, chosen.step_seconds))
+        except PlanError as error:
+            outcomes.append(str(error).split(" bytes = ")[0])
+    assert outcomes[0] == outcomes[1]
 
 
 def test_llama_70b_in_40_gib_on_an_h200() -> None:

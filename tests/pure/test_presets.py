@@ -22,6 +22,7 @@ from offload.pure import (
     preset_spec,
     segment_matches,
 )
+from offload.pure.presets import preset_outside_bytes
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +85,22 @@ def test_preset_plus_embeddings_is_the_published_size(name: str) -> None:
     outside_layers = 2 * arch.vocab * arch.hidden + arch.hidden
     total = numel(preset_spec(name)) + outside_layers
     assert abs(total - arch.published_total) / arch.published_total < 0.005
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_preset_outside_bytes_are_embedding_head_and_norm_in_bf16(name: str) -> None:
+    arch = ARCHS[name]
+    assert preset_outside_bytes(name) == 2 * (2 * arch.vocab * arch.hidden + arch.hidden)
+
+
+def test_every_preset_has_outside_bytes() -> None:
+    assert all(preset_outside_bytes(name) > 0 for name in PRESETS)
+
+
+def test_llama_70b_outside_bytes_are_the_issues_3_9_gib() -> None:
+    assert round(preset_outside_bytes("llama-70b") / 2**30, 2) == 3.91
+    with pytest.raises(PlanError, match="no preset named 'gpt-5'"):
+        preset_outside_bytes("gpt-5")
 
 
 def test_llama_70b_decoder_layers_are_about_68_5_billion() -> None:
