@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 import attrs
 
 from offload.errors import ConfigError
-from offload.pure._checks import int_at_least, one_of
+from offload.pure._checks import int_at_least, is_bool, one_of
 
 __all__ = ["BackendName", "OffloadConfig", "segment_matches"]
 
@@ -63,6 +63,11 @@ class OffloadConfig:
             offloaded (the last one may cross it); 0 = uva not configured.
         param_filter: dotted name segments; when non-empty only parameters whose names
             contain one of them (whole parts) are offloaded.
+        keep_host_params: on a platform with an accelerator, parameters that are in host
+            memory when the plan is made (or run) stay there, resident and unmoved,
+            instead of being offloaded or moved to the device (the default). For models
+            a user splits between host and device on purpose; such parameters must be
+            used by code that expects them on the host.
 
     Raises:
         ConfigError: at construction, for a bad value or combination, naming it.
@@ -74,6 +79,7 @@ class OffloadConfig:
     prefetch_step: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
     uva_max_bytes: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
     param_filter: tuple[str, ...] = attrs.field(default=(), validator=_filter)
+    keep_host_params: bool = attrs.field(default=False, validator=is_bool(ConfigError))
 
     def __attrs_post_init__(self) -> None:
         if self.group_size > 0 and self.num_in_group > self.group_size:

@@ -16,6 +16,7 @@ from offload.errors import OffloadError, PlanError
 from offload.pure._checks import int_at_least, is_str, one_of, tuple_of, tuple_of_ints
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
+from offload.pure.moves import Move, decide_move, where_kind
 from offload.pure.schedule import PrefetchSchedule, check_schedule
 from offload.pure.serialize import from_data, to_data
 from offload.pure.spec import ParamSpec
@@ -325,6 +326,39 @@ class OffloadPlan:
     def device_bytes_saved(self) -> int:
         """Net device memory saved, in bytes: freed minus static buffers (never negative)."""
         return max(0, self.device_bytes_freed - self.device_bytes_buffers)
+
+    def move_of(self, p: ParamPlan, device: str | None = None, compute: str | None = None) -> Move:
+        """How `p` reaches its place: `offload.pure.moves.decide_move` with this plan's pin
+        method and config. Executors ask this for every parameter.
+
+        Args:
+            p: one of the plan's parameters.
+            device: where its data is (``cpu``, ``cuda:0``, ``meta``); the device it was
+                planned on when None.
+            compute: the compute device the plan runs on (the runtime's, ``cuda:0`` or
+                ``cpu``); the plan's `compute_device` when None.
+        """
+        compute = self.compute_device if compute is None else compute
+        return decide_move(
+            where_kind(p.param.device if device is None else device, compute),
+            offloaded=p.offloaded,
+            pin=self.pin.method,
+            keep_host=self.config.keep_host_params,
+            compute_is_host=compute == "cpu",
+        )
+
+    def planned_moves(self) -> tuple[tuple[Move, int, int], ...]:
+        """What carrying out the plan moves, from the devices the parameters were planned
+        on: (move, parameters, bytes with each storage once), in `Move` order, moves that
+        happen to no parameter left out."""
+        count: dict[Move, int] = {}
+        nbytes: dict[Move, int] = {}
+        for p in self.params:
+            move = self.move_of(p)
+            count[move] = count.get(move, 0) + 1
+            if p.tied_to is None:
+                nbytes[move] = nbytes.get(move, 0) + p.nbytes
+        return tuple((m, count[m], nbytes.get(m, 0)) for m in Move if m in count)
 
     def warning_codes(self) -> frozenset[WarningCode]:
         """The codes of all warnings, for quick membership tests."""

@@ -120,7 +120,8 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
             params.append(ParamPlan(layer=index, param=param, placement=resident, tied_to=tie))
             here = on_device.get(param.device)
             if here is None:
-                here = on_device[param.device] = is_on_compute_device(param.device, platform)
+                here = on_device[param.device] = is_on_compute_device(param.device, platform,
+                                                                      keep_host=config.keep_host_params)
             if here and tie is None:  # a tied storage counts once, at its first member
                 resident_bytes += param.nbytes
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from offload.pure.moves import Move, move_text
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.units import format_bytes
 
@@ -103,6 +104,13 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")
     if c.param_filter:
         lines.append(f"filter:   {', '.join(c.param_filter)}")
+    if c.keep_host_params:
+        lines.append("host:     parameters in host memory stay there (keep_host_params)")
+    moves = [(m, n, b) for m, n, b in plan.planned_moves() if m is not Move.KEEP]
+    if moves:
+        lines.append("moves:    " + "; ".join(
+            f"{n} {'parameter' if n == 1 else 'parameters'} {move_text(m)} ({format_bytes(b)})" for m, n, b in moves
+        ))
     lines.append(f"snapshot: {plan.env_fingerprint}")
     lines.append("")
     if per_param:

@@ -31,18 +31,23 @@ __all__ = [
 Ref = tuple[int, str]
 
 
-def is_on_compute_device(device: str, platform: Platform) -> bool:
-    """True when a parameter on `device` is on the platform's compute device.
+def is_on_compute_device(device: str, platform: Platform, *, keep_host: bool = False) -> bool:
+    """True when a parameter on `device` is eligible for the platform's compute device:
+    offloaded from it, or counted as resident on it.
 
-    Not-yet-loaded weights (`COMPUTE_DEVICE`, and ``meta`` placeholders that will be
-    materialised there) count as on it. On a CUDA platform the compute device is CUDA and
-    parameters already on the host are left alone; without an accelerator it is the CPU.
+    Weights go to the compute device from wherever they are: already on it, not yet
+    loaded (`COMPUTE_DEVICE`, ``meta``), or in host memory (a model loaded on the host and
+    planned for a GPU). Only with `keep_host` (``OffloadConfig.keep_host_params``) are
+    parameters in host memory on a CUDA platform left alone. Another device (a second
+    GPU) is never eligible.
     """
     if device in (COMPUTE_DEVICE, "meta"):
         return True
+    if device == "cpu":
+        return not (keep_host and platform.has_cuda)
     if platform.has_cuda:
         return device == "cuda" or device.startswith("cuda:")
-    return device == "cpu"
+    return False
 
 
 #: Parameters that share one storage, as (layer, param) in model order; a single
@@ -122,7 +127,8 @@ def _select(
             return False
         on_device = device_ok.get(param.device)
         if on_device is None:
-            on_device = device_ok[param.device] = is_on_compute_device(param.device, platform)
+            on_device = device_ok[param.device] = is_on_compute_device(param.device, platform,
+                                                                      keep_host=config.keep_host_params)
         if not on_device:
             return False
         if not segments:

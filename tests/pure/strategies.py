@@ -236,6 +236,7 @@ def offload_configs(draw: st.DrawFn, *, max_budget: int = 20_000) -> OffloadConf
         prefetch_step=draw(st.integers(1, 5)),
         uva_max_bytes=uva_max_bytes,
         param_filter=tuple(draw(st.lists(st.sampled_from(FILTER_SEGMENTS), max_size=2, unique=True))),
+        keep_host_params=draw(st.booleans()),
     )
 
 

@@ -32,11 +32,13 @@ from offload.pure import (
     make_plan,
     schedule_prefetch,
 )
+from offload.pure.moves import Move
 from tests.pure.strategies import env_snapshots, model_specs, offload_configs, row_major
 
 GPU = Platform(has_cuda=True, device_name="Test GPU", device_total_bytes=1000, can_map_host_memory=True)
 CPU = Platform()
 ON_GPU = EnvSnapshot(platform=GPU)
+ON_CPU = EnvSnapshot(platform=CPU)
 
 
 def param(name: str, elements: int = 64, *, dtype: str = "float16", itemsize: int = 2,
@@ -190,7 +192,19 @@ def _devices_spec() -> ModelSpec:
 
 @pytest.mark.parametrize("config", [OffloadConfig(group_size=1), OffloadConfig(uva_max_bytes=10**9)],
                          ids=["prefetch", "uva"])
-def test_cuda_platform_leaves_host_parameters_alone_and_does_not_count_them(config: OffloadConfig) -> None:
+def test_cuda_platform_offloads_host_parameters_too(config: OffloadConfig) -> None:
+    # A model loaded on the host and planned for a GPU: its weights go to the device or
+    # to host copies like any other (issue 9: it used to offload nothing, silently).
+    plan = make_plan(_devices_spec(), config, ON_GPU)
+    assert offloaded_refs(plan) == {(0, "on_host"), (0, "on_gpu"), (0, "unloaded")}
+    assert plan.offloaded_bytes == plan.host_bytes == plan.device_bytes_freed == 100 + 200 + 300
+    assert plan.device_bytes_resident == 0
+
+
+@pytest.mark.parametrize("config", [OffloadConfig(group_size=1, keep_host_params=True),
+                                    OffloadConfig(uva_max_bytes=10**9, keep_host_params=True)],
+                         ids=["prefetch", "uva"])
+def test_keep_host_params_leaves_host_parameters_alone_and_does_not_count_them(config: OffloadConfig) -> None:
     plan = make_plan(_devices_spec(), config, ON_GPU)
     assert find(plan, 0, "on_host").placement is Placement.RESIDENT
     assert offloaded_refs(plan) == {(0, "on_gpu"), (0, "unloaded")}
@@ -198,19 +212,35 @@ def test_cuda_platform_leaves_host_parameters_alone_and_does_not_count_them(conf
     assert plan.host_bytes == 500
     assert plan.device_bytes_freed == 500
     assert plan.device_bytes_resident == 0  # the host parameter is not on the device
+    assert plan.move_of(find(plan, 0, "on_host")) is Move.KEEP
 
 
-def test_host_parameters_do_not_spend_the_uva_budget() -> None:
-    plan = make_plan(_devices_spec(), OffloadConfig(uva_max_bytes=1), ON_GPU)
+def test_keep_host_params_is_ignored_without_an_accelerator() -> None:
+    # Without an accelerator the host is the compute device: there is nothing to keep apart.
+    plan = make_plan(_devices_spec(), OffloadConfig(group_size=1, keep_host_params=True), ON_CPU)
+    assert (0, "on_host") in offloaded_refs(plan)
+
+
+def test_host_parameters_do_not_spend_the_uva_budget_with_keep_host_params() -> None:
+    plan = make_plan(_devices_spec(), OffloadConfig(uva_max_bytes=1, keep_host_params=True), ON_GPU)
     assert offloaded_refs(plan) == {(0, "on_gpu")}
     assert plan.offloaded_bytes == 200
 
 
-def test_resident_device_parameters_are_counted_as_resident() -> None:
+def test_host_parameters_spend_the_uva_budget_in_layer_order() -> None:
+    plan = make_plan(_devices_spec(), OffloadConfig(uva_max_bytes=1), ON_GPU)
+    assert offloaded_refs(plan) == {(0, "on_host")}
+    assert plan.offloaded_bytes == 100
+
+
+def test_resident_host_parameters_count_as_device_bytes_unless_kept_on_the_host() -> None:
     spec = model([param("a", 100, device="cuda:0"), param("b", 50, device="cpu")], [param("a", 100, device="cuda:0")])
     plan = make_plan(spec, OffloadConfig(uva_max_bytes=1), ON_GPU)
     assert offloaded_refs(plan) == {(0, "a")}
-    assert plan.device_bytes_resident == 200
+    assert plan.device_bytes_resident == 100 + 200  # b (fp16: 50 x 2 bytes) moves to the device
+    assert plan.move_of(find(plan, 0, "b")) is Move.TO_DEVICE
+    kept = make_plan(spec, OffloadConfig(uva_max_bytes=1, keep_host_params=True), ON_GPU)
+    assert kept.device_bytes_resident == 200
 
 
 @pytest.mark.parametrize("config", [OffloadConfig(group_size=1), OffloadConfig(uva_max_bytes=10**9)],
@@ -398,14 +428,15 @@ def test_host_memory_short_names_both_sizes() -> None:
 # Oracles: the issue's rules, restated.
 
 
-def on_compute_device(device: str, platform: Platform) -> bool:
+def on_compute_device(device: str, platform: Platform, keep_host: bool = False) -> bool:
     """Eligible by device: not yet loaded (or meta, materialised on the compute device),
-    on CUDA when there is CUDA, on the CPU when there is not."""
+    on the host (moved to the compute device or offloaded from it) unless the config keeps
+    host parameters on a CUDA platform, on CUDA when there is CUDA."""
     if device in ("compute", "meta"):
         return True
-    if platform.has_cuda:
-        return device.startswith("cuda")
-    return device == "cpu"
+    if device == "cpu":
+        return not (keep_host and platform.has_cuda)
+    return platform.has_cuda and device.startswith("cuda")
 
 
 Unit = list[tuple[int, ParamSpec]]
@@ -426,7 +457,7 @@ def unit_bytes(unit: Unit) -> int:
 
 
 def member_ok(layer: int, p: ParamSpec, config: OffloadConfig, env: EnvSnapshot, backend: Backend) -> bool:
-    if not on_compute_device(p.device, env.platform):
+    if not on_compute_device(p.device, env.platform, config.keep_host_params):
         return False
     if config.param_filter and not any(f".{s}." in f".{p.name}." for s in config.param_filter):
         return False
@@ -477,7 +508,8 @@ def test_selection_follows_the_rules(spec: ModelSpec, config: OffloadConfig, env
     assert plan.device_bytes_freed == (expected_bytes if env.platform.has_cuda else 0)
     resident_units = [u for u in storage_units(spec) if u not in units]
     assert plan.device_bytes_resident == sum(
-        unit_bytes(u) for u in resident_units if on_compute_device(u[0][1].device, env.platform)
+        unit_bytes(u) for u in resident_units
+        if on_compute_device(u[0][1].device, env.platform, config.keep_host_params)
     )
     offloaded_placement = {
         Backend.PREFETCH: Placement.PREFETCH,
