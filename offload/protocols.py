@@ -87,6 +87,16 @@ class Runtime(Protocol):
         """
         ...
 
+    def host_empty(self, like: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
+        """An uninitialised exact-size host tensor with `like`'s shape, strides and dtype,
+        page-locked as `pin` says (falling back as `host_copy` does). `like` may be a meta
+        tensor: only its metadata is read. For weights a loader fills in place.
+
+        Raises:
+            ExecutionError: the allocation failed.
+        """
+        ...
+
     def is_pinned(self, host: torch.Tensor) -> bool:
         """True when `host` (from `host_copy`) is page-locked."""
         ...

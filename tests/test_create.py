@@ -26,7 +26,7 @@ from offload import (
 )
 from offload.create import default_runtime
 from tests.executors.fakes import FakeRuntime
-from tests.executors.helpers import cpu_plan, cuda_like_plan
+from tests.executors.helpers import cpu_plan, cuda_like_plan, pinned_plan
 from tests.executors.models import layer_list, transformer_model
 
 
@@ -102,7 +102,7 @@ def test_cuda_runtime_without_cuda_raises_execution_error() -> None:
 def test_a_given_runtime_is_used() -> None:
     model = transformer_model(2)
     runtime = FakeRuntime()
-    off = create_offloader(cpu_plan(model, OffloadConfig(group_size=1)), runtime)
+    off = create_offloader(pinned_plan(model, OffloadConfig(group_size=1)), runtime)
     off.wrap_modules(layer_list(model))
     assert runtime.host_copies == len(off.plan.offloaded_params) > 0
 

@@ -4,7 +4,7 @@ resolving dtypes. No policy lives here; the plan has made every decision."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -14,15 +14,12 @@ from torch import nn
 from offload.describe import describe_tensor
 from offload.errors import ExecutionError, OffloadError, PlanError
 from offload.executors.hoststore import HostStore
-from offload.protocols import Runtime
-from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.plan import ParamPlan
 from offload.pure.spec import ParamSpec
 
 __all__ = [
     "Lifecycle",
     "Ref",
-    "check_layers",
-    "copy_back",
     "current_spec",
     "find_parameter",
     "first_float_tensor",
@@ -30,7 +27,6 @@ __all__ = [
     "host_owner",
     "patch_forward",
     "raise_as_execution_error",
-    "roll_back",
     "torch_dtype",
     "unpatch_forward",
 ]
@@ -69,50 +65,6 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"torch has no dtype named {name!r}", name="dtype", value=name)
     return dtype
-
-
-def check_layers(plan: OffloadPlan, layers: Sequence[nn.Module], runtime_device: torch.device) -> dict[Ref, nn.Parameter]:
-    """Match every offloaded `ParamPlan` to its live parameter before anything moves.
-
-    Returns:
-        The live parameter of each offloaded (layer, name).
-
-    Raises:
-        PlanError: the layers are not the ones the plan was made for (count, a missing
-            parameter, another shape, stride or dtype) or a parameter is not on the
-            runtime's device; the message names the parameter and the difference.
-    """
-    if len(layers) != plan.num_layers:
-        raise PlanError(f"the plan is for {plan.num_layers} layers, got {len(layers)}",
-                        name="layers", value=len(layers))
-    live: dict[Ref, nn.Parameter] = {}
-    for layer_index, layer in enumerate(layers):
-        if not isinstance(layer, nn.Module):
-            raise PlanError(f"layers[{layer_index}] is a {type(layer).__name__}, not an nn.Module",
-                            name=f"layers[{layer_index}]", value=layer)
-    for p in plan.offloaded_params:
-        live[(p.layer, p.name)] = _match(p, layers[p.layer], runtime_device)
-    return live
-
-
-def _match(p: ParamPlan, layer: nn.Module, device: torch.device) -> nn.Parameter:
-    where = f"layer {p.layer} parameter {p.name!r}"
-    param = find_parameter(layer, p.name)
-    if param is None:
-        raise PlanError(f"{where} is in the plan but not in the layer", name=p.name, value=p.layer)
-    got = (tuple(param.shape), tuple(param.stride()), str(param.dtype).removeprefix("torch."))
-    want = (p.shape, p.stride, p.dtype)
-    if got != want:
-        raise PlanError(f"{where} is (shape, stride, dtype) {got}, the plan says {want}",
-                        name=p.name, value=got)
-    if param.device != device:
-        raise PlanError(
-            f"{where} is on {param.device}, but the runtime's device is {device}"
-            + ("; load the weights before wrap_modules" if param.device.type == "meta" else ""),
-            name=p.name,
-            value=str(param.device),
-        )
-    return param
 
 
 def first_float_tensor(values: Sequence[Any]) -> torch.Tensor | None:
@@ -173,13 +125,6 @@ def host_of(store: HostStore, ref: Ref) -> torch.Tensor:
     return host
 
 
-def roll_back(moved: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """Point each parameter back at the data it held before it was moved, last move first
-    (so a Parameter moved under two tied names ends at the data it had first)."""
-    for param, data in reversed(moved):
-        param.data = data
-
-
 def raise_as_execution_error(exc: BaseException, what: str, name: str) -> NoReturn:
     """Raise `exc` again if it is an `OffloadError` (already clear) or not an `Exception`
     (KeyboardInterrupt); otherwise an `ExecutionError` saying ``what: exc``, from `exc`."""
@@ -192,40 +137,3 @@ def current_spec(p: ParamPlan, tensor: torch.Tensor) -> ParamSpec:
     """What `p`'s parameter is now (its data `tensor`), for `revise_plan`: shape, strides,
     dtype and storage identity of `tensor`, and the device it was planned on."""
     return attrs.evolve(describe_tensor(p.layer, p.name, tensor), device=p.device)
-
-
-def copy_back(
-    plan: OffloadPlan,
-    layers: Sequence[nn.Module],
-    store: HostStore,
-    origin: Mapping[Ref, torch.device],
-    runtime: Runtime,
-) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], int]:
-    """Copy every offloaded parameter's host copy back to the device it came from.
-
-    Nothing is assigned here: the caller points each parameter at its tensor once every
-    copy succeeded, so a failed copy leaves the model as it was. Parameters that share a
-    host copy get one tensor, so ties survive; deleted parameters are skipped.
-
-    Returns:
-        (parameter, its restored data) for every live offloaded parameter, and how many
-        storages were copied.
-
-    Raises:
-        ExecutionError: a parameter has no host copy; a copy failed (from the runtime).
-    """
-    restored: dict[Ref, torch.Tensor] = {}
-    moves: list[tuple[nn.Parameter, torch.Tensor]] = []
-    for p in plan.offloaded_params:
-        param = find_parameter(layers[p.layer], p.name)
-        if param is None:
-            continue
-        owner = host_owner(p, store)
-        if owner is None or owner not in store:
-            raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
-                                 name=p.name, value=p.layer)
-        data = restored.get(owner)
-        if data is None:
-            data = restored[owner] = runtime.copy_to(host_of(store, owner), origin[owner])
-        moves.append((param, data))
-    return moves, len(restored)

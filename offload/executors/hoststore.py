@@ -12,8 +12,10 @@ from typing import final
 
 import torch
 
+from offload.errors import ExecutionError
 from offload.protocols import Runtime
 from offload.pure.decisions import PinMethod
+from offload.pure.moves import Move
 
 __all__ = ["HostStore", "Ref"]
 
@@ -55,13 +57,43 @@ class HostStore:
         Raises:
             ExecutionError: the runtime could not make the copy.
         """
-        host = self._rt.host_copy(tensor, pin=self._pin)
+        return self._keep(ref, self._rt.host_copy(tensor, pin=self._pin), defer_release=defer_release)
+
+    def place(self, ref: Ref, tensor: torch.Tensor, move: Move, *, defer_release: bool = False) -> torch.Tensor:
+        """Give `ref` the host copy `move` says (`OffloadPlan.move_of`), from `tensor`.
+
+        - `Move.ADOPT`: `tensor` (pageable host memory, and the plan does not pin) is the
+          host copy itself: nothing is copied or allocated.
+        - `Move.NEW_ON_HOST`: `tensor` is a meta placeholder: uninitialised exact-size host
+          memory with its shape, strides and dtype, pinned as the plan says.
+        - `Move.TO_HOST`, `Move.HOST_TO_PINNED`: a copy (`put`).
+
+        Args:
+            ref: the owner of the copy.
+            tensor: the parameter's data.
+            move: how it reaches host memory; a move of a resident parameter is refused.
+            defer_release: as for `put`.
+
+        Raises:
+            ExecutionError: the runtime failed, or `move` does not put anything in host memory.
+        """
+        if move is Move.ADOPT:
+            return self._keep(ref, tensor, defer_release=defer_release)
+        if move is Move.NEW_ON_HOST:
+            return self._keep(ref, self._rt.host_empty(tensor, pin=self._pin), defer_release=defer_release)
+        if move in (Move.TO_HOST, Move.HOST_TO_PINNED):
+            return self.put(ref, tensor, defer_release=defer_release)
+        raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: move {move.value} puts nothing in host memory",
+                             name=ref[1], value=move.value)
+
+    def _keep(self, ref: Ref, host: torch.Tensor, *, defer_release: bool) -> torch.Tensor:
+        """Hold `host` as `ref`'s copy (releasing or retiring what `ref` held before)."""
         if defer_release:
             previous = self._copies.pop(ref, None)
             self._unpinned.discard(ref)
-            if previous is not None:
+            if previous is not None and previous is not host:
                 self._retired.append(previous)
-        else:
+        elif self._copies.get(ref) is not host:
             self.drop(ref)
         self._copies[ref] = host
         if self._pin is not PinMethod.NONE and host.numel() and not self._rt.is_pinned(host):
@@ -106,4 +138,6 @@ class HostStore:
     @property
     def nbytes(self) -> int:
         """Host bytes held, each storage once (retired copies included)."""
-        return sum(t.untyped_storage().nbytes() for t in (*self._copies.values(), *self._retired))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (*self._copies.values(), *self._retired) if t.numel()}
+        return sum(storages.values())

@@ -8,7 +8,9 @@ from typing import final
 from torch import nn
 
 from offload.errors import ExecutionError, PlanError
-from offload.executors.common import check_layers
+from offload.executors.common import raise_as_execution_error
+from offload.executors.hoststore import HostStore
+from offload.executors.moving import Restorer, Undo, find_moves, move_resident
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan
 from offload.stats import OffloadStats
@@ -18,14 +20,16 @@ __all__ = ["NoopOffloader"]
 
 @final
 class NoopOffloader:
-    """Runs a plan whose backend is none: every parameter stays where it is.
+    """Runs a plan whose backend is none: nothing is offloaded, and every weight ends on
+    the compute device (weights in host memory are copied there, weights on meta get
+    uninitialised device storage; `restore` gives host weights back to the host).
 
-    It still checks that the layers are the ones the plan describes, so a framework can
-    switch backends by plan alone and get the same errors for the wrong model.
+    It checks that the layers are the ones the plan describes, so a framework can switch
+    backends by plan alone and get the same errors for the wrong model.
 
     Args:
         plan: a plan whose backend is none.
-        runtime: used only for its device, to check the layers.
+        runtime: the effects (device copies and allocations).
 
     Raises:
         PlanError: the plan's backend is not none.
@@ -38,6 +42,7 @@ class NoopOffloader:
         self._plan = plan
         self._rt = runtime
         self._wrapped = False
+        self._restorer: Restorer | None = None
 
     @property
     def plan(self) -> OffloadPlan:
@@ -54,7 +59,16 @@ class NoopOffloader:
         if self._wrapped:
             raise ExecutionError("wrap_modules was already called", name="state", value="wrapped")
         layers = list(layers)
-        check_layers(self._plan, layers, self._rt.device)
+        found = find_moves(self._plan, layers, self._rt.device)
+        undo = Undo()
+        store = HostStore(self._rt, pin=self._plan.pin.method)  # stays empty: nothing is offloaded
+        try:
+            from_host = move_resident(self._plan, layers, found, self._rt, undo, {})
+        except BaseException as exc:
+            undo.run(store, self._rt)
+            raise_as_execution_error(exc, "moving weights to the device failed, model left as it was",
+                                     "wrap_modules")
+        self._restorer = Restorer(layers, store, {}, from_host, self._rt)
         self._wrapped = True
         return layers
 
@@ -68,7 +82,15 @@ class NoopOffloader:
         """Nothing is ever in flight."""
 
     def restore(self) -> None:
-        """Nothing was moved; forgets the wrapped state so the layers can be wrapped again."""
+        """Give weights that came from host memory back to it; forget the wrapped state
+        so the layers can be wrapped again.
+
+        Raises:
+            ExecutionError: a copy back failed (retry `restore` to finish).
+        """
+        if self._restorer is not None:
+            self._restorer.run(self._plan)
+        self._restorer = None
         self._wrapped = False
 
     def stats(self) -> OffloadStats:

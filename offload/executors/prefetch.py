@@ -33,8 +33,6 @@ from offload.executors import ops
 from offload.executors.common import (
     Lifecycle,
     Ref,
-    check_layers,
-    copy_back,
     current_spec,
     find_parameter,
     first_float_tensor,
@@ -42,11 +40,22 @@ from offload.executors.common import (
     host_owner,
     patch_forward,
     raise_as_execution_error,
-    roll_back,
     torch_dtype,
     unpatch_forward,
 )
 from offload.executors.hoststore import HostStore
+from offload.executors.moving import (
+    Progress,
+    Restorer,
+    Undo,
+    assign,
+    describe_moves,
+    find_moves,
+    move_resident,
+    restore_place,
+    resync_data,
+    state_dict_hook,
+)
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
@@ -80,7 +89,9 @@ class PrefetchOffloader:
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
         self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
-        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
+        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> where restore puts it
+        self._restorer: Restorer | None = None
+        self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
@@ -123,31 +134,46 @@ class PrefetchOffloader:
             raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
                                  name="state", value=self._state.value)
         layers = list(layers)
-        live = check_layers(self._plan, layers, self._rt.device)
-        moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        plan = self._plan
+        found = find_moves(plan, layers, self._rt.device)
+        undo = Undo()
+        replaced: dict[int, nn.Parameter] = {}
+        progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
         try:
-            for p in self._plan.offloaded_params:
+            for p in plan.offloaded_params:
                 ref = (p.layer, p.name)
-                param = live[ref]
-                host = self._host.put(ref, param.data) if p.tied_to is None else self._host_of(p.tied_to)
-                self._origin[ref] = param.device
-                moved.append((param, param.data))
-                param.data = host
+                entry = found[ref]
+                param = entry.param
+                if p.tied_to is None:
+                    host = self._host.place(ref, param.data, entry.move)
+                    progress.advance(p.nbytes)
+                else:
+                    host = self._host_of(p.tied_to)
+                self._origin[ref] = restore_place(entry.move, param.device, self._rt)
+                assign(layers[p.layer], p.name, param, host, move=entry.move, owner=p.tied_to or ref, undo=undo,
+                       replaced=replaced)
+            from_host = move_resident(plan, layers, found, self._rt, undo, replaced, progress)
         except BaseException as exc:
-            roll_back(moved)
+            undo.run(self._host, self._rt)
             self._host.clear()
             self._origin.clear()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
+        progress.finish()
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
         self._layers = layers
         self._handle = ops.register(self)
         # Hooks know their layer, not their schedule position: post_init may revise the
         # plan (a layer whose offloaded parameters were all deleted leaves the schedule).
         for index in self._plan.offloaded_layers:
             self._patched[index] = patch_forward(layers[index], functools.partial(self._wrap_forward, index))
+        self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
+            state_dict_hook(self._host, lambda: self._plan, index))
+                       for index in self._plan.offloaded_layers]
         self._state = Lifecycle.WRAPPED
-        log.info("offloaded %d parameters of %d layers to host memory (%s)", len(self._origin),
-                 len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable")
+        log.info("offloaded %d parameters of %d layers to host memory (%s; moves: %s)", len(self._origin),
+                 len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable",
+                 describe_moves(found))
         return layers
 
     def post_init(self) -> None:
@@ -229,7 +255,7 @@ class PrefetchOffloader:
             expected = self._host.get(p.tied_to or ref)
             if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
                 # Replaced (or its tie was broken): its data gets its own host copy.
-                param.data = self._host.put(ref, param.data)
+                param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
             actual[ref] = current_spec(p, param.data)
         return actual
 
@@ -373,11 +399,16 @@ class PrefetchOffloader:
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         self._rt.synchronize()
-        moves, storages = copy_back(self._plan, self._layers, self._host, self._origin, self._rt)
-        for param, data in moves:
-            param.data = data
+        restorer = self._restorer
+        if restorer is None:
+            raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
+                                 name="state", value=self._state.value)
+        restorer.run(self._plan)
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         ops.unregister(self._handle)
         self._patched.clear()
         self._copies = []
@@ -386,7 +417,8 @@ class PrefetchOffloader:
         self._pending.clear()
         self._landed.clear()
         self._state = Lifecycle.RESTORED
-        log.info("restored %d parameters (%d storages)", len(moves), storages)
+        self._restorer = None
+        log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)
 
     def stats(self) -> OffloadStats:
         """Counters since `wrap_modules` (see `OffloadStats`)."""

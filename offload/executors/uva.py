@@ -36,18 +36,27 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors.common import (
     Lifecycle,
     Ref,
-    check_layers,
-    copy_back,
     current_spec,
     find_parameter,
     host_of,
     host_owner,
     patch_forward,
     raise_as_execution_error,
-    roll_back,
     unpatch_forward,
 )
 from offload.executors.hoststore import HostStore
+from offload.executors.moving import (
+    Progress,
+    Restorer,
+    Undo,
+    assign,
+    describe_moves,
+    find_moves,
+    move_resident,
+    restore_place,
+    resync_data,
+    state_dict_hook,
+)
 from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
@@ -95,7 +104,9 @@ class UVAOffloader:
         self._data: dict[Ref, torch.Tensor] = {}  # owner -> what its parameters point at
         self._viewed: set[Ref] = set()  # owners whose parameters point at a device view
         self._sources: dict[str, torch.Tensor] = {}  # storage key of a view made here -> its host copy
-        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> its device before
+        self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> where restore puts it
+        self._restorer: Restorer | None = None
+        self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._on_demand: dict[int, Entries] = {}  # layer -> (name, owner) copied per call
         self._dropped = 0
@@ -138,29 +149,41 @@ class UVAOffloader:
             raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
                                  name="state", value=self._state.value)
         layers = list(layers)
-        live = check_layers(self._plan, layers, self._rt.device)
-        moved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        plan = self._plan
+        found = find_moves(plan, layers, self._rt.device)
+        undo = Undo()
+        replaced: dict[int, nn.Parameter] = {}
+        progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
         try:
-            for p in self._plan.offloaded_params:
+            for p in plan.offloaded_params:
                 ref = (p.layer, p.name)
-                param = live[ref]
+                entry = found[ref]
+                param = entry.param
                 if p.tied_to is None:
-                    self._host.put(ref, param.data)
+                    self._host.place(ref, param.data, entry.move)
+                    progress.advance(p.nbytes)
                 data = self._attach(p, p.tied_to or ref)
-                self._origin[ref] = param.device
-                moved.append((param, param.data))
-                param.data = data
+                self._origin[ref] = restore_place(entry.move, param.device, self._rt)
+                assign(layers[p.layer], p.name, param, data, move=entry.move, owner=p.tied_to or ref, undo=undo,
+                       replaced=replaced)
+            from_host = move_resident(plan, layers, found, self._rt, undo, replaced, progress)
         except BaseException as exc:
-            roll_back(moved)
+            undo.run(self._host, self._rt)
             self._forget()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
+        progress.finish()
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
         self._layers = layers
         self._hook_on_demand()
+        layers_offloaded = sorted({p.layer for p in self._plan.offloaded_params})
+        self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
+            state_dict_hook(self._host, lambda: self._plan, index))
+                       for index in layers_offloaded]
         self._state = Lifecycle.WRAPPED
-        log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand",
-                 len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
-                 len(self._data) - len(self._viewed))
+        log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand "
+                 "(moves: %s)", len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
+                 len(self._data) - len(self._viewed), describe_moves(found))
         return layers
 
     def _attach(self, p: ParamPlan, owner: Ref) -> torch.Tensor:
@@ -254,7 +277,8 @@ class UVAOffloader:
                 # Replaced, or its owner was deleted: its own copy, read from the host copy
                 # behind it when it is one of our views (no device read of host memory).
                 source = self._sources.get(key) if key is not None else None
-                self._host.put(ref, param.data if source is None else source, defer_release=True)
+                resync_data(self._plan, p, param.data if source is None else source, self._host, self._rt,
+                            defer_release=True)
                 self._data.pop(ref, None)
                 self._viewed.discard(ref)
                 param.data = self._attach(p, ref)
@@ -319,19 +343,22 @@ class UVAOffloader:
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         self._rt.synchronize()  # kernels may still read the host copies released below
-        try:
-            moves, storages = copy_back(self._plan, self._layers, self._host, self._origin, self._rt)
-        except BaseException as exc:
-            raise_as_execution_error(exc, "restore failed, model left offloaded", "restore")
-        for param, data in moves:
-            param.data = data
+        restorer = self._restorer
+        if restorer is None:
+            raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
+                                 name="state", value=self._state.value)
+        restorer.run(self._plan)
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._patched.clear()
         self._on_demand = {}
         self._forget()
         self._state = Lifecycle.RESTORED
-        log.info("restored %d parameters (%d storages)", len(moves), storages)
+        self._restorer = None
+        log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)
 
     def stats(self) -> OffloadStats:
         """Counters since `wrap_modules`: on-demand copies (UVA reads are not copies), host

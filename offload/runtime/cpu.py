@@ -34,6 +34,16 @@ def host_empty_like(tensor: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
     )
 
 
+def _refuse_pin(pin: PinMethod) -> None:
+    if pin is not PinMethod.NONE:
+        raise ExecutionError(
+            "the CPU runtime cannot pin host memory; this plan was made for a CUDA "
+            "platform (run it with CudaRuntime, or plan for this machine)",
+            name="pin",
+            value=pin.value,
+        )
+
+
 @final
 class CpuRuntime:
     """Runs executors on the CPU: synchronous copies, trivial streams and events."""
@@ -54,13 +64,7 @@ class CpuRuntime:
                 made for a machine without an accelerator never asks for it), or the copy
                 failed.
         """
-        if pin is not PinMethod.NONE:
-            raise ExecutionError(
-                "the CPU runtime cannot pin host memory; this plan was made for a CUDA "
-                "platform (run it with CudaRuntime, or plan for this machine)",
-                name="pin",
-                value=pin.value,
-            )
+        _refuse_pin(pin)
         try:
             host = host_empty_like(tensor)
             host.copy_(tensor)
@@ -68,6 +72,20 @@ class CpuRuntime:
             raise ExecutionError(f"host copy of a {tuple(tensor.shape)} {tensor.dtype} tensor failed: {exc}",
                                  name="host_copy", value=tuple(tensor.shape)) from exc
         return host
+
+    def host_empty(self, like: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
+        """An uninitialised host tensor with `like`'s shape, strides and dtype.
+
+        Raises:
+            ExecutionError: `pin` is not `PinMethod.NONE` (as `host_copy`), or the
+                allocation failed.
+        """
+        _refuse_pin(pin)
+        try:
+            return host_empty_like(like)
+        except RuntimeError as exc:
+            raise ExecutionError(f"host allocation of a {tuple(like.shape)} {like.dtype} tensor failed: {exc}",
+                                 name="host_empty", value=tuple(like.shape)) from exc
 
     def is_pinned(self, host: torch.Tensor) -> bool:
         """Never: nothing is pinned without CUDA."""

@@ -119,6 +119,22 @@ class CudaRuntime:
             ) from exc
         return host
 
+    def host_empty(self, like: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
+        """An uninitialised exact-size host tensor shaped like `like` (which may be on
+        meta), page-locked as `pin` says, falling back to pageable as `host_copy` does.
+
+        Raises:
+            ExecutionError: the allocation failed.
+        """
+        try:
+            return host_empty_like(like) if pin is PinMethod.NONE else self._pinned_empty_like(like, pin)
+        except RuntimeError as exc:
+            raise ExecutionError(
+                f"host allocation ({pin.value}) of a {tuple(like.shape)} {like.dtype} tensor failed: {exc}",
+                name="host_empty",
+                value=tuple(like.shape),
+            ) from exc
+
     def _drain(self) -> None:
         """Give back host memory whose tensors died unreleased (never inside a capture)."""
         if retired_count() and not torch.cuda.is_current_stream_capturing():

@@ -40,6 +40,7 @@ __all__ = [
     "FakeEvent",
     "FakeRuntime",
     "HostCopy",
+    "HostEmpty",
     "InjectedFailure",
     "Read",
     "Record",
@@ -66,6 +67,14 @@ class FakeEvent:
 @attrs.frozen
 class HostCopy:
     """`host_copy` was asked for a tensor of `shape`, with this `pin` argument."""
+
+    pin: PinMethod
+    shape: tuple[int, ...]
+
+
+@attrs.frozen
+class HostEmpty:
+    """`host_empty` was asked for a tensor of `shape`, with this `pin` argument."""
 
     pin: PinMethod
     shape: tuple[int, ...]
@@ -135,8 +144,8 @@ class ToDevice:
     pinned: bool
 
 
-Entry = HostCopy | Record | Copy | Wait | Sync | Read | Release | View | ToDevice
-E = TypeVar("E", HostCopy, Record, Copy, Wait, Sync, Read, Release, View, ToDevice)
+Entry = HostCopy | HostEmpty | Record | Copy | Wait | Sync | Read | Release | View | ToDevice
+E = TypeVar("E", HostCopy, HostEmpty, Record, Copy, Wait, Sync, Read, Release, View, ToDevice)
 
 
 @final
@@ -184,7 +193,14 @@ class FakeRuntime:
         self.log.append(HostCopy(pin=pin, shape=tuple(tensor.shape)))
         if index == self._fail_at:
             raise InjectedFailure(f"injected host_copy failure #{index}")
-        host = self._cpu.host_copy(tensor, pin=PinMethod.NONE)
+        return self._play_pinned(self._cpu.host_copy(tensor, pin=PinMethod.NONE), pin)
+
+    def host_empty(self, like: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
+        """Record the request; allocate (never pinned, but played pinned as `host_copy`)."""
+        self.log.append(HostEmpty(pin=pin, shape=tuple(like.shape)))
+        return self._play_pinned(self._cpu.host_empty(like, pin=PinMethod.NONE), pin)
+
+    def _play_pinned(self, host: torch.Tensor, pin: PinMethod) -> torch.Tensor:
         if pin is not PinMethod.NONE:
             request = self._pin_requests
             self._pin_requests += 1

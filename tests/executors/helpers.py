@@ -22,6 +22,7 @@ from offload import (
     make_plan,
 )
 from offload.protocols import Runtime
+from tests.executors.fakes import FakeRuntime
 from tests.executors.models import HIDDEN, bits, layer_list
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "cuda_like_plan",
     "inputs",
     "patched_layers",
+    "pinned_plan",
     "prefetch",
     "snapshot",
     "tie_groups",
@@ -71,6 +73,13 @@ def cuda_like_plan(
     return make_plan(on_compute_device(describe_layers(layer_list(model))), config, env)
 
 
+def pinned_plan(model: nn.Module, config: OffloadConfig) -> OffloadPlan:
+    """The plan a CUDA machine with pinning on would make for `model`: run on a CPU
+    runtime's fake, every offloaded weight is copied into (played) page-locked memory
+    (`Move.HOST_TO_PINNED`), so host copies happen and can be counted or failed."""
+    return cuda_like_plan(model, config, disable_pin_memory=False)
+
+
 def prefetch(plan: OffloadPlan, runtime: Runtime | None = None) -> PrefetchOffloader:
     """`create_offloader(plan, runtime)`, checked to be the prefetch executor."""
     offloader = create_offloader(plan, runtime)
@@ -79,7 +88,10 @@ def prefetch(plan: OffloadPlan, runtime: Runtime | None = None) -> PrefetchOfflo
 
 
 def uva(plan: OffloadPlan, runtime: Runtime | None = None) -> UVAOffloader:
-    """`create_offloader(plan, runtime)`, checked to be the UVA executor."""
+    """`create_offloader(plan, runtime)`, checked to be the UVA executor; a plan made for
+    a CUDA-like platform runs on a `FakeRuntime` unless `runtime` is given."""
+    if runtime is None and plan.compute_device == "cuda":
+        runtime = FakeRuntime()
     offloader = create_offloader(plan, runtime)
     assert isinstance(offloader, UVAOffloader)
     return offloader

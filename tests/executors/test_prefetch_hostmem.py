@@ -48,7 +48,10 @@ def test_restore_releases_every_host_copy_it_took(disable_pin_memory: bool) -> N
     off.restore()
     copies = runtime.entries(HostCopy)
     releases = runtime.entries(Release)
-    assert len(releases) == len(copies) == sum(p.tied_to is None for p in plan.offloaded_params)
+    storages = sum(p.tied_to is None for p in plan.offloaded_params)
+    # Pinning off: the pageable weights are their own host copies (adopted, not copied).
+    assert len(copies) == (0 if disable_pin_memory else storages)
+    assert len(releases) == storages
     assert {r.pinned for r in releases} == {not disable_pin_memory}
     assert off.stats().host_bytes == 0
     assert_restored(model, before, same_storage=False)
@@ -63,4 +66,4 @@ def test_a_failed_wrap_releases_what_it_took() -> None:
     with pytest.raises(ExecutionError, match="model left as it was"):
         off.wrap_modules(layer_list(model))
     assert len(runtime.entries(Release)) == 5
-    assert_restored(model, before, same_storage=True)
+    assert_restored(model, before, same_storage=False)  # recovered from the released copies

@@ -49,7 +49,7 @@ def test_on_demand_parity_over_several_forwards(budget: int) -> None:
     layers = layer_list(model)
     before = snapshot(model)
     plan = on_demand_plan(model, budget)
-    assert (plan.uva.enabled, plan.uva.reason) == (False, UvaReason.NO_ACCELERATOR)
+    assert (plan.uva.enabled, plan.uva.reason) == (False, UvaReason.DISABLED_BY_ENV)
     assert {p.placement for p in plan.offloaded_params} == {Placement.ON_DEMAND}
     offloaded = sorted({p.layer for p in plan.offloaded_params})
     assert offloaded == {1: [0], 2 * BLOCK_BYTES: [0, 1], ALL: [0, 1, 2, 3, 4]}[budget]

@@ -26,6 +26,14 @@ ALL = 1 << 40
 
 
 def on_demand_plan(model: nn.Module, budget: int = ALL) -> OffloadPlan:
+    """The uva plan a CUDA machine makes with UVA switched off and pinning on: every
+    parameter ON_DEMAND, its host copy (played) page-locked, so host copies happen and can
+    be counted or failed. (This machine's own plan, `cpu_on_demand_plan`, adopts the
+    weights in place instead.)"""
+    return view_plan(model, budget, uva=False)
+
+
+def cpu_on_demand_plan(model: nn.Module, budget: int = ALL) -> OffloadPlan:
     """The uva plan this machine (no accelerator) makes: every parameter ON_DEMAND."""
     return cpu_plan(model, OffloadConfig(backend="uva", uva_max_bytes=budget))
 

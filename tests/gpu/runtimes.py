@@ -55,6 +55,12 @@ class RecordingCudaRuntime:
                                        nbytes=host.untyped_storage().nbytes()))
         return host
 
+    def host_empty(self, like: torch.Tensor, *, pin: PinMethod) -> torch.Tensor:
+        host = self._cuda.host_empty(like, pin=pin)
+        self.records.append(HostRecord(pin=pin, pinned=bool(host.is_pinned()), ptr=host.data_ptr(),
+                                       nbytes=host.untyped_storage().nbytes()))
+        return host
+
     def is_pinned(self, host: torch.Tensor) -> bool:
         return self._cuda.is_pinned(host)
 

@@ -1,0 +1,395 @@
+"""Moving weights to where the plan puts them, undoing that on failure, and putting them
+back on restore. Shared by every executor; each move is the one `OffloadPlan.move_of`
+names for the weight's live device, so no executor decides how a weight travels.
+
+Memory. Weights move one tensor at a time and nothing keeps a second copy of the model:
+a pageable host tensor that is offloaded unpinned is adopted as its own host copy; one
+that is pinned is copied into page-locked memory and released as soon as the parameter
+points at the copy (undo copies it back from there); restore gives each storage back
+and releases its host copy before the next. So host memory peaks at the model's bytes
+plus its largest tensor, and device memory at the resident weights (plus buffers) plus
+the largest tensor, wherever the weights came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, final
+
+import attrs
+import torch
+from torch import nn
+
+from offload.errors import ExecutionError, PlanError
+from offload.executors.common import Ref, find_parameter, host_of, host_owner, raise_as_execution_error
+from offload.executors.hoststore import HostStore
+from offload.protocols import Runtime
+from offload.pure.moves import Move, WhereKind, restore_target, where_kind
+from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.units import format_bytes
+
+__all__ = [
+    "Found",
+    "Progress",
+    "Restorer",
+    "Undo",
+    "assign",
+    "describe_moves",
+    "find_moves",
+    "move_resident",
+    "restore_place",
+    "resync_data",
+    "state_dict_hook",
+]
+
+log = logging.getLogger("offload.load")
+
+_HOST = torch.device("cpu")
+
+
+@attrs.frozen(eq=False)
+class Found:
+    """A planned parameter as it is now: the live Parameter and how it reaches its place."""
+
+    param: nn.Parameter
+    move: Move
+
+
+def find_moves(plan: OffloadPlan, layers: Sequence[nn.Module], device: torch.device) -> dict[Ref, Found]:
+    """Match the plan to the live layers before anything moves.
+
+    Args:
+        plan: the plan.
+        layers: the layers it was made for.
+        device: the runtime's compute device.
+
+    Returns:
+        Every offloaded (layer, name), and every resident one that has to move (from the
+        host or meta to the device), with its live parameter and move.
+
+    Raises:
+        PlanError: the layers are not the ones the plan was made for (count, a missing
+            parameter, another shape, stride or dtype), or an offloaded parameter is on a
+            device that is neither the runtime's, the host, nor meta; the message names
+            the parameter and the difference.
+    """
+    if len(layers) != plan.num_layers:
+        raise PlanError(f"the plan is for {plan.num_layers} layers, got {len(layers)}",
+                        name="layers", value=len(layers))
+    for layer_index, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise PlanError(f"layers[{layer_index}] is a {type(layer).__name__}, not an nn.Module",
+                            name=f"layers[{layer_index}]", value=layer)
+    compute = str(device)
+    found: dict[Ref, Found] = {}
+    for p in plan.params:
+        where = f"layer {p.layer} parameter {p.name!r}"
+        param = find_parameter(layers[p.layer], p.name)
+        if param is None:
+            if p.offloaded:
+                raise PlanError(f"{where} is in the plan but not in the layer", name=p.name, value=p.layer)
+            continue
+        live = str(param.device)
+        if p.offloaded:
+            got = (tuple(param.shape), tuple(param.stride()), str(param.dtype).removeprefix("torch."))
+            want = (p.shape, p.stride, p.dtype)
+            if got != want:
+                raise PlanError(f"{where} is (shape, stride, dtype) {got}, the plan says {want}",
+                                name=p.name, value=got)
+            if where_kind(live, compute) is WhereKind.OTHER:
+                raise PlanError(f"{where} is on {live}; it can be offloaded from the runtime's device {compute}, "
+                                "from host memory or from meta", name=p.name, value=live)
+        move = plan.move_of(p, live, compute)
+        if p.offloaded or move is not Move.KEEP:
+            found[(p.layer, p.name)] = Found(param=param, move=move)
+    return found
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@final
+class Progress:
+    """Logs how far a long move has got (bytes, GB/s) on the ``offload.load`` logger, at
+    most once every `every` seconds, and once at the end."""
+
+    def __init__(self, what: str, total_bytes: int, *, every: float = 2.0) -> None:
+        self._what = what
+        self._total = total_bytes
+        self._done = 0
+        self._every = every
+        self._start = self._last = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        """`nbytes` more are done."""
+        self._done += nbytes
+        now = time.monotonic()
+        if now - self._last >= self._every:
+            self._last = now
+            log.info("%s: %s of %s (%.2f GB/s)", self._what, format_bytes(self._done), format_bytes(self._total),
+                     self._rate(now))
+
+    def finish(self) -> None:
+        """Log the total."""
+        now = time.monotonic()
+        log.info("%s: %s in %.2f s (%.2f GB/s)", self._what, format_bytes(self._done), now - self._start,
+                 self._rate(now))
+
+    def _rate(self, now: float) -> float:
+        return self._done / max(now - self._start, 1e-9) / 1e9
+
+
+@final
+class Undo:
+    """What `wrap_modules` changed, to put back if it fails, last change first."""
+
+    def __init__(self) -> None:
+        # ("data", parameter, the data it had or None when that was released after being
+        # copied into the host copy of `owner`, owner), or ("param", module, name, the
+        # Parameter that was there) where a meta Parameter was replaced.
+        self._entries: list[tuple[str, Any, Any, Any]] = []
+
+    def note(self, param: nn.Parameter, move: Move, owner: Ref) -> None:
+        """Before `param.data` changes: remember it (or, for `Move.HOST_TO_PINNED`, that
+        it is recovered from `owner`'s host copy, so that the pageable tensor can go)."""
+        self._entries.append(("data", param, None if move is Move.HOST_TO_PINNED else param.data, owner))
+
+    def note_replaced(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        """Before ``module._parameters[name]`` is replaced: remember the Parameter there."""
+        self._entries.append(("param", module, name, param))
+
+    def run(self, store: HostStore, runtime: Runtime) -> None:
+        """Point every parameter back at its data (recovered into pageable host memory
+        from its host copy where it was released), and put replaced Parameters back;
+        call before releasing the store."""
+        recovered: dict[Ref, torch.Tensor] = {}
+        for kind, first, second, third in reversed(self._entries):
+            if kind == "param":
+                first._parameters[second] = third
+                continue
+            data: torch.Tensor | None = second
+            if data is None:
+                data = recovered.get(third)
+                if data is None:
+                    data = recovered[third] = runtime.copy_to(host_of(store, third), _HOST)
+            first.data = data
+        self._entries.clear()
+
+
+def assign(layer: nn.Module, name: str, param: nn.Parameter, data: torch.Tensor, *, move: Move, owner: Ref,
+           undo: Undo, replaced: dict[int, nn.Parameter]) -> nn.Parameter:
+    """Point parameter `name` of `layer` (now `param`) at `data`, noting it in `undo`.
+
+    A meta Parameter cannot take real data (torch refuses ``param.data = ...`` across
+    that boundary), so it is replaced in its module by a new Parameter over `data` with
+    the same ``requires_grad``; names that held the same meta Parameter (ties) get the
+    same new one, through `replaced` (``id`` of the old -> the new).
+
+    Returns:
+        The Parameter that now holds `data` under `name`.
+    """
+    if param.device.type != "meta" or data.device.type == "meta":
+        undo.note(param, move, owner)
+        param.data = data
+        return param
+    new = replaced.get(id(param))
+    if new is None:
+        new = replaced[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+    module_name, _, leaf = name.rpartition(".")
+    module = layer.get_submodule(module_name) if module_name else layer
+    undo.note_replaced(module, leaf, param)
+    module._parameters[leaf] = new
+    return new
+
+
+def move_resident(plan: OffloadPlan, layers: Sequence[nn.Module], found: Mapping[Ref, Found], runtime: Runtime,
+                  undo: Undo, replaced: dict[int, nn.Parameter],
+                  progress: Progress | None = None) -> list[tuple[Ref, nn.Parameter]]:
+    """Put the plan's resident parameters that are on the host or meta on the compute device.
+
+    Tied parameters (one storage) get one device tensor. Host tensors are released as the
+    parameters stop pointing at them (unless `undo` still needs them: until the wrap ends).
+
+    Returns:
+        The parameters copied from the host, with the (layer, name) that owns each
+        storage: `restore` gives them back to the host.
+
+    Raises:
+        ExecutionError: a device allocation or copy failed (from the runtime).
+    """
+    placed: dict[Ref, torch.Tensor] = {}
+    from_host: list[tuple[Ref, nn.Parameter]] = []
+    for p in plan.params:
+        if p.offloaded:
+            continue
+        ref = (p.layer, p.name)
+        entry = found.get(ref)
+        if entry is None:
+            continue
+        owner = p.tied_to if p.tied_to is not None and p.tied_to in placed else ref
+        data = placed.get(owner)
+        source = entry.param.data
+        if data is None:
+            if entry.move is Move.TO_DEVICE:
+                data = runtime.copy_to(source, runtime.device)
+            else:
+                data = runtime.device_empty(tuple(source.shape), tuple(source.stride()), source.dtype)
+            placed[owner] = data
+            if progress is not None:
+                progress.advance(_nbytes(source))
+        param = assign(layers[p.layer], p.name, entry.param, data, move=entry.move, owner=owner, undo=undo,
+                       replaced=replaced)
+        if entry.move is Move.TO_DEVICE:
+            from_host.append((owner, param))
+    return from_host
+
+
+def restore_place(move: Move, device: torch.device, runtime: Runtime) -> torch.device:
+    """The device `restore` puts a weight on, given how it was moved from `device`."""
+    if restore_target(move) is WhereKind.HOST:
+        return _HOST
+    return runtime.device if device.type == "meta" else device
+
+
+@final
+class Restorer:
+    """Gives weights back one storage at a time, remembering what is done, so that a
+    restore that fails half way can be retried and finishes the rest.
+
+    Args:
+        layers: the layers being run.
+        store: the host copies.
+        target: for every offloaded (layer, name), the device its data goes back to.
+        from_host: resident parameters `move_resident` copied from the host.
+        runtime: the effects.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], store: HostStore, target: Mapping[Ref, torch.device],
+                 from_host: Sequence[tuple[Ref, nn.Parameter]], runtime: Runtime) -> None:
+        self._layers = layers
+        self._store = store
+        self._target = target
+        self._from_host = from_host
+        self._rt = runtime
+        self._groups: dict[Ref, list[nn.Parameter]] | None = None
+        self._done: set[Ref] = set()
+        self._resident_done: set[int] = set()
+        self.params = 0
+        self.storages = 0
+
+    def run(self, plan: OffloadPlan) -> None:
+        """Give every weight `plan` offloads back; skip what an earlier, failed run already
+        gave back.
+
+        Raises:
+            ExecutionError: a copy failed; what is done stays done, the rest stays where
+                it was (offloaded weights in their host copies), and `run` can be called
+                again. The message says how far it got.
+        """
+        if self._groups is None:
+            self._groups = self._group(plan.offloaded_params)
+        groups = self._groups
+        total = len(groups) + len(self._from_host)
+        progress = Progress("restoring weights", sum(_nbytes(host_of(self._store, o)) for o in groups
+                                                      if o not in self._done))
+        try:
+            for owner, members in groups.items():
+                if owner in self._done:
+                    continue
+                host = host_of(self._store, owner)
+                dest = self._target[owner]
+                if dest.type == "cpu" and not self._rt.is_pinned(host):
+                    data = host  # already a pageable host tensor: it is the weight
+                else:
+                    data = self._rt.copy_to(host, dest)
+                for param in members:
+                    param.data = data
+                self._store.drop(owner)
+                self._done.add(owner)
+                self.params += len(members)
+                self.storages += 1
+                progress.advance(_nbytes(host))
+            self._resident_back()
+        except BaseException as exc:
+            done = len(self._done) + len(self._resident_done)
+            raise_as_execution_error(
+                exc, f"restore stopped after giving back {done} of {total} storages (the rest are still "
+                "offloaded; call restore() again to finish)", "restore")
+        progress.finish()
+
+    def _group(self, params: Iterable[ParamPlan]) -> dict[Ref, list[nn.Parameter]]:
+        """Live parameters by the (layer, name) whose host copy holds their data."""
+        groups: dict[Ref, list[nn.Parameter]] = {}
+        for p in params:
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is None:
+                continue
+            owner = host_owner(p, self._store)
+            if owner is None:
+                raise ExecutionError(f"no host copy for layer {p.layer} parameter {p.name!r}",
+                                     name=p.name, value=p.layer)
+            groups.setdefault(owner, []).append(param)
+        return groups
+
+    def _resident_back(self) -> None:
+        """Resident parameters that came from the host go back there (ties as one tensor)."""
+        back: dict[Ref, torch.Tensor] = {}
+        for index, (owner, param) in enumerate(self._from_host):
+            if index in self._resident_done:
+                continue
+            data = back.get(owner)
+            if data is None:
+                data = back[owner] = self._rt.copy_to(param.data, _HOST)
+            param.data = data
+            self._resident_done.add(index)
+
+
+def describe_moves(found: Mapping[Ref, Found]) -> str:
+    """``"3 to_host, 2 adopt"``: how many parameters each move took, for the log."""
+    counts: dict[Move, int] = {}
+    for entry in found.values():
+        counts[entry.move] = counts.get(entry.move, 0) + 1
+    return ", ".join(f"{n} {m.value}" for m, n in sorted(counts.items(), key=lambda item: item[0].value)) or "none"
+
+
+def resync_data(plan: OffloadPlan, p: ParamPlan, data: torch.Tensor, store: HostStore, runtime: Runtime,
+                *, defer_release: bool = False) -> torch.Tensor:
+    """The host copy of `p` for data a loader or post-processing put in its place (at
+    `post_init`), made as `OffloadPlan.move_of` says for the data's device.
+
+    Raises:
+        ExecutionError: the data is on meta (its weights were never loaded), or the
+            runtime failed.
+    """
+    if data.device.type == "meta":
+        raise ExecutionError(
+            f"layer {p.layer} parameter {p.name!r} is still on the meta device at post_init: its weights "
+            "were never loaded (write them into param.data, or assign a tensor, before post_init)",
+            name=p.name, value=p.layer,
+        )
+    move = plan.move_of(p, str(data.device), str(runtime.device))
+    return store.place((p.layer, p.name), data, move, defer_release=defer_release)
+
+
+StateDictHook = Callable[[nn.Module, dict[str, Any], str, Any], None]
+
+
+def state_dict_hook(store: HostStore, plan_of: Callable[[], OffloadPlan], layer: int) -> StateDictHook:
+    """A ``register_state_dict_post_hook`` hook for offloaded `layer`: each offloaded
+    parameter's entry becomes its host copy, which holds its real values (a prefetch
+    parameter points at a shared slot that holds whichever layer ran last)."""
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for p in plan_of().offloaded_params:
+            if p.layer != layer:
+                continue
+            key = prefix + p.name
+            owner = host_owner(p, store)
+            host = store.get(owner) if owner is not None else None
+            if key in state_dict and host is not None:
+                state_dict[key] = host.detach()
+
+    return hook
