@@ -85,6 +85,7 @@ class WarningCode(enum.Enum):
     NOTHING_OFFLOADED = "nothing_offloaded"
     TIED_KEPT_RESIDENT = "tied_kept_resident"
     PLAN_REVISED = "plan_revised"
+    HOST_PARAMS_KEPT = "host_params_kept"
 
 
 @attrs.frozen(kw_only=True)

@@ -92,6 +92,16 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
         ))
     if offloading and not anything:
         out.append(_w(WarningCode.NOTHING_OFFLOADED, _nothing_reason(f)))
+    if config.keep_host_params and platform.has_cuda:
+        kept = [(layer.index, p) for layer in f.spec.layers for p in layer.params if p.device == "cpu"]
+        if kept:
+            first = ", ".join(f"{index}:{p.name}" for index, p in kept[:3])
+            out.append(_w(
+                WarningCode.HOST_PARAMS_KEPT,
+                f"{len(kept)} parameters ({first}{', ...' if len(kept) > 3 else ''}) are in host memory and "
+                "stay there, neither offloaded nor moved to the device (keep_host_params): the model's "
+                "own code must expect them on the host",
+            ))
     for group in f.selection.cross_layer_ties:
         names = ", ".join(f"{layer}:{p.name}" for layer, p in group)
         out.append(_w(
@@ -110,8 +120,9 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
     if offloading and anything and not platform.has_cuda:
         out.append(_w(
             WarningCode.NO_ACCELERATOR,
-            "no accelerator: the compute device is the CPU, so offloading moves weights to "
-            "separate host storage and copies them back exactly as on a GPU, but saves no memory",
+            "no accelerator: the compute device is the CPU, so offloaded weights stay in host "
+            "memory where they are and are copied into static buffers (or per call) exactly as on a "
+            "GPU, but nothing is saved",
         ))
     if offloading and anything and platform.has_cuda and platform.is_integrated:
         out.append(_w(

@@ -213,6 +213,10 @@ def test_keep_host_params_leaves_host_parameters_alone_and_does_not_count_them(c
     assert plan.device_bytes_freed == 500
     assert plan.device_bytes_resident == 0  # the host parameter is not on the device
     assert plan.move_of(find(plan, 0, "on_host")) is Move.KEEP
+    (kept,) = [w for w in plan.warnings if w.code is WarningCode.HOST_PARAMS_KEPT]
+    assert "1 parameters (0:on_host)" in kept.message
+    assert WarningCode.HOST_PARAMS_KEPT not in make_plan(_devices_spec(), attrs.evolve(
+        config, keep_host_params=False), ON_GPU).warning_codes()
 
 
 def test_keep_host_params_is_ignored_without_an_accelerator() -> None:
@@ -384,6 +388,9 @@ WARNINGS: list[tuple[WarningCode, tuple[ModelSpec, OffloadConfig, EnvSnapshot], 
     (WarningCode.TIED_KEPT_RESIDENT, _evolved(spec=model(
         [param("embed.weight", key="e")], [param("w")], [param("w")], [param("lm_head.weight", key="e"), param("w")],
     )), "lm_head.weight"),
+    (WarningCode.HOST_PARAMS_KEPT, _evolved(attrs.evolve(BASE_CONFIG, keep_host_params=True), spec=model(
+        [param("w", device="cpu")], [param("w", device="cuda:0")], [param("w")], [param("w")],
+    )), "0:w"),
 ]
 
 
