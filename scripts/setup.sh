@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install offload with its dev tools into it.
+# Create .venv (if missing) and install offload with its dev tools and the Hugging Face
+# extra (transformers, for offload.hf and its tests) into it.
 # torch is pinned to the CPU build first: an open range asked of pip with nothing installed
 # would download a CUDA build of several GB. pyproject.toml itself only asks for torch>=2.4,
 # which this install (or a user's own torch) satisfies.
@@ -10,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,hf]"

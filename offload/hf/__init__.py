@@ -1,0 +1,27 @@
+"""Hugging Face integration: a `transformers` model offloaded in one call.
+
+- `find_layers(model)`: the model's layer stack, found by structure.
+- `offload_model(model, ...)`: plan (a config, or `fit` for a device budget), wrap,
+  `post_init`; the weights outside the layers go to the device.
+- `offload_pretrained(path, ...)`: a local checkpoint loaded into host memory by
+  `transformers` and offloaded, never materialised whole on the device.
+
+`find_layers` and `offload_model` work on any `nn.Module`; only `offload_pretrained`
+needs `transformers` (``pip install 'offload[hf]'``), imported when it is called.
+`import offload` never imports this package.
+"""
+
+from offload.hf.layers import StackCandidate, find_layers, layer_stacks
+from offload.hf.model import ModelOffloader, offload_model, plan_model
+from offload.hf.pretrained import load_on_host, offload_pretrained
+
+__all__ = [
+    "ModelOffloader",
+    "StackCandidate",
+    "find_layers",
+    "layer_stacks",
+    "load_on_host",
+    "offload_model",
+    "offload_pretrained",
+    "plan_model",
+]

@@ -1,0 +1,75 @@
+"""Small random `transformers` models built from configs (nothing is downloaded), and
+checkpoints of them written with ``save_pretrained``, for the Hugging Face tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+)
+
+__all__ = ["ARCHITECTURES", "VOCAB", "build", "save"]
+
+VOCAB = 96
+
+
+def _llama() -> PretrainedConfig:
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _qwen3() -> PretrainedConfig:
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def _gpt2() -> PretrainedConfig:
+    return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                      bos_token_id=0, eos_token_id=1)
+
+
+def _mixtral() -> PretrainedConfig:
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def _gemma() -> PretrainedConfig:
+    # Gemma ties the output head to the embedding.
+    return GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+#: Architecture name -> its small config.
+ARCHITECTURES: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": _llama,
+    "qwen3": _qwen3,
+    "gpt2": _gpt2,
+    "mixtral": _mixtral,
+    "gemma": _gemma,
+}
+
+
+def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A random model of `arch` in eval mode; weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](), dtype=dtype)
+    model.eval()
+    return model
+
+
+def save(model: PreTrainedModel, directory: Path, *, sharded: bool) -> Path:
+    """Write `model` with ``save_pretrained``: one safetensors file, or many small shards
+    with an index."""
+    model.save_pretrained(directory, max_shard_size="24KB" if sharded else "10GB")
+    return directory
