@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -63,13 +64,16 @@ ARCHITECTURES: dict[str, Callable[[], PretrainedConfig]] = {
 def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A random model of `arch` in eval mode; weights drawn from `seed`."""
     torch.manual_seed(seed)
-    model: PreTrainedModel = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](), dtype=dtype)
-    model.eval()
+    # transformers leaves from_config and eval unannotated: go through Any.
+    made: Any = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](), dtype=dtype)  # type: ignore[no-untyped-call]
+    made.eval()
+    model: PreTrainedModel = made
     return model
 
 
 def save(model: PreTrainedModel, directory: Path, *, sharded: bool) -> Path:
     """Write `model` with ``save_pretrained``: one safetensors file, or many small shards
     with an index."""
-    model.save_pretrained(directory, max_shard_size="24KB" if sharded else "10GB")
+    saver: Any = model  # save_pretrained's decorator hides its signature from mypy
+    saver.save_pretrained(directory, max_shard_size="24KB" if sharded else "10GB")
     return directory
