@@ -184,9 +184,10 @@ def assign(layer: nn.Module, name: str, param: nn.Parameter, data: torch.Tensor,
     """Point parameter `name` of `layer` (now `param`) at `data`, noting it in `undo`.
 
     A meta Parameter cannot take real data (torch refuses ``param.data = ...`` across
-    that boundary), so it is replaced in its module by a new Parameter over `data` with
-    the same ``requires_grad``; names that held the same meta Parameter (ties) get the
-    same new one, through `replaced` (``id`` of the old -> the new).
+    that boundary), so it is replaced in its module by a new Parameter over `data` of the
+    same class, with the same ``requires_grad`` and attributes; names that held the same
+    meta Parameter (ties) get the same new one, through `replaced` (``id`` of the old ->
+    the new).
 
     Returns:
         The Parameter that now holds `data` under `name`.
@@ -197,7 +198,11 @@ def assign(layer: nn.Module, name: str, param: nn.Parameter, data: torch.Tensor,
         return param
     new = replaced.get(id(param))
     if new is None:
-        new = replaced[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+        # The same Parameter class and attributes (an engine's weight_loader, sharding
+        # dims, transformers' flags), over the new data.
+        new = torch.Tensor._make_subclass(type(param), data, param.requires_grad)
+        new.__dict__.update(param.__dict__)
+        replaced[id(param)] = new
     module_name, _, leaf = name.rpartition(".")
     module = layer.get_submodule(module_name) if module_name else layer
     undo.note_replaced(module, leaf, param)
@@ -277,6 +282,10 @@ class Restorer:
         self._groups: dict[Ref, list[nn.Parameter]] | None = None
         self._done: set[Ref] = set()
         self._resident_done: set[int] = set()
+        # Host tensors already given to resident storages, by owner: kept across runs, so
+        # that names sharing a storage get the one tensor even when a failed run had given
+        # it to only some of them (a tie across layers is not contiguous in `from_host`).
+        self._back: dict[Ref, torch.Tensor] = {}
         self.params = 0
         self.storages = 0
 
@@ -292,7 +301,7 @@ class Restorer:
         if self._groups is None:
             self._groups = self._group(plan.offloaded_params)
         groups = self._groups
-        total = len(groups) + len(self._from_host)
+        total = len(groups) + len({owner for owner, _ in self._from_host})  # storages, ties once
         progress = Progress("restoring weights", sum(_nbytes(host_of(self._store, o)) for o in groups
                                                       if o not in self._done))
         try:
@@ -314,7 +323,7 @@ class Restorer:
                 progress.advance(_nbytes(host))
             self._resident_back()
         except BaseException as exc:
-            done = len(self._done) + len(self._resident_done)
+            done = len(self._done) + len(self._back)
             raise_as_execution_error(
                 exc, f"restore stopped after giving back {done} of {total} storages (the rest are still "
                 "offloaded; call restore() again to finish)", "restore")
@@ -336,7 +345,7 @@ class Restorer:
 
     def _resident_back(self) -> None:
         """Resident parameters that came from the host go back there (ties as one tensor)."""
-        back: dict[Ref, torch.Tensor] = {}
+        back = self._back
         for index, (owner, param) in enumerate(self._from_host):
             if index in self._resident_done:
                 continue

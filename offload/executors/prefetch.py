@@ -200,18 +200,26 @@ class PrefetchOffloader:
             self._allocate_and_start(plan)
         except BaseException as exc:
             # Leave the model as wrap_modules left it (weights in host storage), so that
-            # post_init can be retried or restore can run.
-            for p in plan.offloaded_params:
-                param = find_parameter(self._layers[p.layer], p.name)
-                owner = host_owner(p, self._host)
-                host = self._host.get(owner) if owner is not None else None
-                if param is not None and host is not None:
-                    param.data = host
-            self._buffers.clear()
-            self._copies = []
-            self._pending.clear()
+            # post_init can be retried or restore can run. Copies already issued may still
+            # be writing the buffers: let them finish before the buffers go.
+            self._rt.synchronize()
+            self._drop_buffers()
             raise_as_execution_error(exc, "post_init failed, weights left in host memory", "post_init")
         self._state = Lifecycle.READY
+
+    def _drop_buffers(self) -> None:
+        """Point every offloaded parameter at its host copy and let go of the static
+        buffers and of everything in flight (call with nothing in flight)."""
+        for p in self._plan.offloaded_params:
+            param = find_parameter(self._layers[p.layer], p.name)
+            owner = host_owner(p, self._host)
+            host = self._host.get(owner) if owner is not None else None
+            if param is not None and host is not None:
+                param.data = host
+        self._buffers.clear()
+        self._copies = []
+        self._pending.clear()
+        self._landed.clear()
 
     def _allocate_and_start(self, plan: OffloadPlan) -> None:
         """Allocate the static buffers, point parameters at their slots, issue the first copies."""
@@ -403,6 +411,10 @@ class PrefetchOffloader:
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
                                  name="state", value=self._state.value)
+        # The buffers go first (the device then holds no slot while weights come back to
+        # it), and nothing here keeps a host copy the restorer releases (the host then
+        # holds each weight once). Until restore finishes the model must not run.
+        self._drop_buffers()
         restorer.run(self._plan)
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
@@ -411,11 +423,8 @@ class PrefetchOffloader:
         self._hooks = []
         ops.unregister(self._handle)
         self._patched.clear()
-        self._copies = []
-        self._buffers.clear()
         self._host.clear()
-        self._pending.clear()
-        self._landed.clear()
+        self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
         self._state = Lifecycle.RESTORED
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)

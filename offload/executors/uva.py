@@ -59,6 +59,7 @@ from offload.executors.moving import (
 )
 from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
 from offload.protocols import Runtime
+from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.revise import demote_to_on_demand, revise_plan
 from offload.pure.spec import ParamSpec
@@ -103,6 +104,7 @@ class UVAOffloader:
         self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
         self._data: dict[Ref, torch.Tensor] = {}  # owner -> what its parameters point at
         self._viewed: set[Ref] = set()  # owners whose parameters point at a device view
+        self._deferred: set[Ref] = set()  # UVA owners loaded after wrapping: viewed at post_init
         self._sources: dict[str, torch.Tensor] = {}  # storage key of a view made here -> its host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> where restore puts it
         self._restorer: Restorer | None = None
@@ -122,7 +124,7 @@ class UVAOffloader:
             (p.layer, p.name)
             for p in self._plan.offloaded_params
             if p.placement is Placement.UVA and (owner := host_owner(p, self._host)) is not None
-            and owner not in self._viewed
+            and owner not in self._viewed and owner not in self._deferred
         }
         return demote_to_on_demand(self._plan, fallen, "pinning their host copies failed (a view needs pinned memory)")
 
@@ -162,7 +164,15 @@ class UVAOffloader:
                 if p.tied_to is None:
                     self._host.place(ref, param.data, entry.move)
                     progress.advance(p.nbytes)
-                data = self._attach(p, p.tied_to or ref)
+                owner = p.tied_to or ref
+                if entry.move is Move.NEW_ON_HOST and p.placement is Placement.UVA:
+                    # A loader will write these weights: into the host copy itself, not
+                    # through a device view of it (a host-to-device copy whose destination
+                    # is host memory is outside what CUDA defines); post_init attaches the view.
+                    data = self._data.setdefault(owner, host_of(self._host, owner))
+                    self._deferred.add(owner)
+                else:
+                    data = self._attach(p, owner)
                 self._origin[ref] = restore_place(entry.move, param.device, self._rt)
                 assign(layers[p.layer], p.name, param, data, move=entry.move, owner=p.tied_to or ref, undo=undo,
                        replaced=replaced)
@@ -208,6 +218,29 @@ class UVAOffloader:
         self._data[owner] = data
         return data
 
+    def _attach_deferred(self) -> None:
+        """Point the parameters of owners loaded after wrapping (still in their host copy,
+        not replaced since) at a device view of it."""
+        owners = {o for o in self._deferred if (host := self._host.get(o)) is not None and self._data.get(o) is host}
+        self._deferred.clear()
+        for owner in owners:
+            del self._data[owner]
+        for p in self._plan.offloaded_params:
+            held = host_owner(p, self._host)
+            if held is not None and held in owners:
+                param = find_parameter(self._layers[p.layer], p.name)
+                if param is not None:
+                    param.data = self._attach(p, held)
+
+    def _point_at_host_copies(self) -> None:
+        """Point every offloaded parameter at the host copy behind its data."""
+        for p in self._plan.offloaded_params:
+            param = find_parameter(self._layers[p.layer], p.name)
+            owner = host_owner(p, self._host)
+            host = self._host.get(owner) if owner is not None else None
+            if param is not None and host is not None:
+                param.data = host
+
     def _hook_on_demand(self) -> None:
         """Work out which parameters each layer copies per call; hook layers that need it."""
         self._on_demand = on_demand_entries(self._plan.offloaded_params, self._host, self._viewed)
@@ -220,6 +253,7 @@ class UVAOffloader:
         self._host.clear()
         self._data.clear()
         self._viewed.clear()
+        self._deferred.clear()
         self._sources.clear()
         self._origin.clear()
 
@@ -249,6 +283,11 @@ class UVAOffloader:
             self._data.pop(ref, None)
             self._viewed.discard(ref)
             log.info("layer %d parameter %r was deleted by post-processing; dropped", *ref)
+        try:
+            self._attach_deferred()
+        except BaseException as exc:
+            raise_as_execution_error(exc, "post_init failed making device views, the rest of the weights are "
+                                     "copied on demand", "post_init")
         self._host.release_retired()
         self._dropped += len(deleted)
         self._sources.clear()  # only a re-read needs them, and post_init has succeeded
@@ -347,6 +386,13 @@ class UVAOffloader:
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
                                  name="state", value=self._state.value)
+        # Nothing here may keep a host copy the restorer releases (a view holds its host
+        # tensor): parameters point at their host copies, the views go. Until restore
+        # finishes the model must not run.
+        self._point_at_host_copies()
+        self._data.clear()
+        self._viewed.clear()
+        self._sources.clear()
         restorer.run(self._plan)
         for index, previous in self._patched.items():
             unpatch_forward(self._layers[index], previous)
@@ -356,6 +402,7 @@ class UVAOffloader:
         self._patched.clear()
         self._on_demand = {}
         self._forget()
+        self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
         self._state = Lifecycle.RESTORED
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)

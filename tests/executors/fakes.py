@@ -15,8 +15,22 @@ copies, events, waits and compute. Knobs:
   so plans made for a CUDA-like platform run here; `is_pinned` then answers True for that
   copy (the fake plays pinned memory), unless ``fail_pin_at=k`` made the k-th pinned copy
   fall back to pageable (counted in `pin_fallbacks`, as a real runtime would).
-- `release_host`, `device_view` and `to_device` are logged as `Release`, `View` and
-  `ToDevice`; a view is the host tensor itself (the CPU reads host memory in place).
+- `release_host`, `device_view`, `to_device` and `copy_to` are logged as `Release`,
+  `View`, `ToDevice` and `CopyTo`; a view is the host tensor itself (the CPU reads host
+  memory in place). ``fail_copy_to_at=k`` makes the k-th `copy_to` (counted from 0, see
+  `copies_to`) raise `InjectedFailure`; it is a public attribute, so a test can aim it
+  at a later call (a restore) once it knows how many calls came before.
+- ``device="cuda:0"`` plays a CUDA compute device while every tensor stays on the CPU:
+  `device` reports ``cuda:0``, and `copy_to` to that device, `device_empty` and
+  `to_device` return CPU tensors counted as device memory; `copy_to` to the CPU is a
+  host copy. A CPU parameter is then in host memory as the executors see it, so a plan
+  made for a CUDA-like platform from the real (``cpu``) devices runs the GPU paths:
+  `Move.TO_DEVICE` for resident weights, `Move.HOST_TO_PINNED` or `Move.ADOPT` for
+  offloaded ones. By default (``device="cpu"``) the device is the CPU, as before.
+- Device memory is accounted in both modes: every storage returned as device memory is
+  followed by a weak reference to its StorageImpl (not the Python tensor: ``param.data =
+  t`` keeps the storage while ``t`` dies), `device_live_bytes` is what is still alive, and
+  `device_peak_bytes` the most that was, sampled after each device allocation.
 """
 
 from __future__ import annotations
@@ -26,9 +40,11 @@ from typing import TypeVar, final
 
 import attrs
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from offload.errors import ExecutionError
 from offload.pure.decisions import PinMethod
-from offload.runtime.cpu import CpuRuntime
+from offload.runtime.cpu import CpuRuntime, host_empty_like
 
 #: What `FakeRuntime.waited_seconds` counts per wait outside a capture, in seconds.
 WAIT_SECONDS = 0.25
@@ -36,6 +52,7 @@ WAIT_SECONDS = 0.25
 __all__ = [
     "WAIT_SECONDS",
     "Copy",
+    "CopyTo",
     "Entry",
     "FakeEvent",
     "FakeRuntime",
@@ -144,8 +161,18 @@ class ToDevice:
     pinned: bool
 
 
-Entry = HostCopy | HostEmpty | Record | Copy | Wait | Sync | Read | Release | View | ToDevice
-E = TypeVar("E", HostCopy, HostEmpty, Record, Copy, Wait, Sync, Read, Release, View, ToDevice)
+@attrs.frozen
+class CopyTo:
+    """`copy_to` of a tensor of `shape` (pinned or not) to the compute device
+    (``to_device``) or to the host."""
+
+    shape: tuple[int, ...]
+    pinned: bool
+    to_device: bool
+
+
+Entry = HostCopy | HostEmpty | Record | Copy | Wait | Sync | Read | Release | View | ToDevice | CopyTo
+E = TypeVar("E", HostCopy, HostEmpty, Record, Copy, Wait, Sync, Read, Release, View, ToDevice, CopyTo)
 
 
 @final
@@ -159,8 +186,17 @@ class FakeRuntime:
         fail_device_empty_at: int | None = None,
         fail_pin_at: int | None = None,
         fail_device_view_at: int | None = None,
+        fail_copy_to_at: int | None = None,
         defer: bool = False,
+        device: str = "cpu",
     ) -> None:
+        self._device = torch.device(device)
+        if self._device.type not in ("cpu", "cuda"):
+            raise ValueError(f"FakeRuntime plays the CPU or a CUDA device, not {device!r}")
+        self.fail_copy_to_at = fail_copy_to_at
+        self.copies_to = 0
+        self._device_storages: list[tuple[StorageWeakRef, int]] = []
+        self.device_peak_bytes = 0
         self._fail_pin_at = fail_pin_at
         self._pin_requests = 0
         self._pinned: set[int] = set()  # data_ptrs of copies playing pinned memory
@@ -180,8 +216,27 @@ class FakeRuntime:
 
     @property
     def device(self) -> torch.device:
-        """The CPU."""
-        return torch.device("cpu")
+        """The CPU, or the CUDA device it plays (``device=``)."""
+        return self._device
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count `tensor`'s storage as device memory (once), and sample the peak."""
+        storage = tensor.untyped_storage()
+        self._device_storages.append((StorageWeakRef(storage), storage.nbytes()))  # type: ignore[no-untyped-call]  # unannotated in torch
+        self.device_peak_bytes = max(self.device_peak_bytes, self.device_live_bytes)
+        return tensor
+
+    @property
+    def device_live_bytes(self) -> int:
+        """Bytes of the storages returned as device memory that are still alive."""
+        self._device_storages = [(ref, n) for ref, n in self._device_storages
+                                 if not ref.expired()]  # type: ignore[no-untyped-call]  # unannotated in torch
+        return sum(n for _, n in self._device_storages)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """True when `tensor`'s storage is a live allocation this runtime made as device memory."""
+        ref = StorageWeakRef(tensor.untyped_storage())  # type: ignore[no-untyped-call]  # unannotated in torch
+        return any(ref == live for live, _ in self._device_storages if not live.expired())  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def _event(self) -> FakeEvent:
         return FakeEvent(next(self._numbers), self.capturing)
@@ -234,21 +289,39 @@ class FakeRuntime:
         return self._cpu.device_view(host)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Log the on-demand copy; copy as `CpuRuntime` does."""
+        """Log the on-demand copy; copy as `CpuRuntime` does (counted as device memory)."""
         self.log.append(ToDevice(shape=tuple(host.shape), pinned=self.is_pinned(host)))
-        return self._cpu.to_device(host)
+        return self._on_device(self._cpu.to_device(host))
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """As `CpuRuntime`; fail if told to."""
+        """As `CpuRuntime` (counted as device memory); fail if told to."""
         index = self.device_empties
         self.device_empties += 1
         if index == self._fail_empty_at:
             raise InjectedFailure(f"injected device_empty failure #{index}")
-        return self._cpu.device_empty(shape, stride, dtype)
+        return self._on_device(self._cpu.device_empty(shape, stride, dtype))
 
     def copy_to(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """As `CpuRuntime`."""
-        return self._cpu.copy_to(tensor, device)
+        """Log it; fail if told to; a CPU copy keeping the strides, counted as device
+        memory when `device` is the played CUDA device.
+
+        Raises:
+            ExecutionError: `device` is neither the CPU nor this runtime's device.
+        """
+        index = self.copies_to
+        self.copies_to += 1
+        to_device = device.type != "cpu"
+        self.log.append(CopyTo(shape=tuple(tensor.shape), pinned=self.is_pinned(tensor), to_device=to_device))
+        if index == self.fail_copy_to_at:
+            raise InjectedFailure(f"injected copy_to failure #{index}")
+        if not to_device:
+            return self._cpu.copy_to(tensor, device)
+        if device != self._device:
+            raise ExecutionError(f"the fake runtime plays {self._device}, it cannot copy to {device}",
+                                 name="device", value=str(device))
+        out = host_empty_like(tensor)
+        out.copy_(tensor)
+        return self._on_device(out)
 
     def record(self) -> FakeEvent:
         """Log an event on the compute stream."""
