@@ -143,11 +143,12 @@ class ModelOffloader:
                 raise PlanError(f"{type(module).__name__}.{name} is on the meta device: load the weights first",
                                 name=name, value="meta")
             key: object = storage_key(tensor) or id(tensor)
+            origin = tensor.device  # read first: for a parameter, _set changes `tensor` itself
             data = done.get(key)
             if data is None:
                 data = done[key] = self._rt.copy_to(tensor, device)
             self._set((module, name, is_param), data)
-            self._moved.append(((module, name, is_param), tensor.device))
+            self._moved.append(((module, name, is_param), origin))
         if self._moved:
             log.info("moved %d tensors outside the layers (%s) to %s", len(self._moved),
                      format_bytes(sum(t.numel() * t.element_size() for t in done.values())), device)
@@ -173,7 +174,7 @@ class ModelOffloader:
         while self._moved:
             slot, origin = self._moved[-1]
             tensor = self._get(slot)
-            if tensor is not None and tensor.device != origin:
+            if tensor is not None:
                 key: object = (storage_key(tensor) or id(tensor), str(origin))
                 data = back.get(key)
                 if data is None:
