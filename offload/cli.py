@@ -1,4 +1,5 @@
-"""The `offload` command line: ``offload env``, ``offload plan`` and ``offload demo``.
+"""The `offload` command line: ``offload env``, ``offload plan``, ``offload demo`` and
+``offload load``.
 
 User errors (a junk environment variable, a bad flag value, a missing or corrupt
 checkpoint) exit with status 2 and one line on stderr naming what was wrong; nothing the
@@ -14,7 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 import attrs
 
@@ -25,6 +26,7 @@ from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
 from offload.pure.estimate import Workload, estimate
 from offload.pure.fit import fit
 from offload.pure.fit_render import render_estimate, render_fit
+from offload.pure.plan import OffloadPlan
 from offload.pure.planner import make_plan
 from offload.pure.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.profiles import (
@@ -39,8 +41,9 @@ from offload.pure.render import render_plan
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
 from offload.pure.units import GIB, format_bytes
+from offload.stats import OffloadStats
 
-__all__ = ["DEFAULT_PREFETCH", "build_parser", "main"]
+__all__ = ["DEFAULT_PREFETCH", "LOAD_PREFETCH", "build_parser", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ EXIT_USER_ERROR = 2
 #: prefetch, group size 4, one offloaded layer per group, depth 2.
 DEFAULT_PREFETCH = OffloadConfig(backend="prefetch", group_size=4, num_in_group=1, prefetch_step=2)
 DEFAULT_SOURCE = "llama-70b"
+
+#: The config `offload load` uses on a machine without CUDA when no offload flag is
+#: given: prefetch, every 2nd layer offloaded, depth 2 (with CUDA it fits the device).
+LOAD_PREFETCH = OffloadConfig(backend="prefetch", group_size=2, num_in_group=1, prefetch_step=2)
+LOAD_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class _UserError(Exception):
@@ -135,6 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokens", type=_positive_int, default=64, help="tokens per step (default 64)")
     demo.add_argument("--backend", choices=["prefetch", "uva"], default="prefetch",
                       help="prefetch (every 2nd layer, the default) or uva (half the model's bytes)")
+
+    load = sub.add_parser("load", help="load a local Hugging Face checkpoint offloaded, run one forward, restore")
+    load.add_argument("directory", help="a checkpoint directory (config.json and .safetensors files)")
+    load.add_argument("--backend", choices=["auto", "prefetch", "uva", "none"], help="default: auto")
+    load.add_argument("--group-size", type=_positive_int, help="prefetch: layers per group")
+    load.add_argument("--num-in-group", type=_positive_int, help="prefetch: offloaded layers per group")
+    load.add_argument("--prefetch-step", type=_positive_int, help="prefetch: depth (layers ahead)")
+    load.add_argument("--uva-gib", type=_gib, help="uva: GiB of parameters to offload")
+    load.add_argument("--filter", action="append", default=[], metavar="SEG",
+                      help="only offload parameters whose names contain this dotted segment (repeatable)")
+    load.add_argument("--fit-gib", type=_gib,
+                      help="choose the fastest configuration whose device bytes fit this budget "
+                      "(default with CUDA: the device's memory)")
+    load.add_argument("--reserve-gib", type=_gib,
+                      help="when fitting: device GiB kept for activations and caches (default 0)")
+    load.add_argument("--profile", choices=sorted(PROFILES),
+                      help="when fitting: the device's speeds (default: matched from its name)")
+    load.add_argument("--dtype", choices=LOAD_DTYPES, help="the weights' dtype (default: the checkpoint's)")
+    load.add_argument("--tokens", type=_tokens, default=8, help="random token ids for the forward pass (default 8)")
     return parser
 
 
@@ -385,6 +412,168 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.outputs_equal and result.restored_equal else 1
 
 
+def _load_request(args: argparse.Namespace, has_cuda: bool) -> tuple[OffloadConfig | None, int | None, str]:
+    """What `offload load` asks `offload_pretrained` for: a config, or a device budget to
+    fit (None with CUDA: the device's memory), and one line saying which."""
+    chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
+                                       ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
+                                       ("--uva-gib", args.uva_gib)) if value is not None]
+    fitting_flags = [flag for flag, value in (("--reserve-gib", args.reserve_gib), ("--profile", args.profile))
+                     if value is not None]
+    if args.fit_gib is not None:
+        if args.filter:
+            raise _UserError("offload load: --filter applies to a given configuration, not to --fit-gib")
+        if chosen:
+            raise _UserError(f"offload load: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
+        if args.fit_gib == 0:
+            raise _UserError("offload load: --fit-gib must be greater than 0")
+        return None, round(args.fit_gib * GIB), f"fit to {format_bytes(round(args.fit_gib * GIB))} of device memory"
+    if chosen or not has_cuda:
+        if fitting_flags:
+            verb = "applies" if len(fitting_flags) == 1 else "apply"
+            raise _UserError(f"offload load: {' and '.join(fitting_flags)} {verb} only when fitting; give --fit-gib"
+                             + (f" instead of {', '.join(chosen)}" if chosen else ""))
+        config = (OffloadConfig(backend=args.backend or "auto", group_size=args.group_size or 0,
+                                num_in_group=args.num_in_group or 1, prefetch_step=args.prefetch_step or 1,
+                                uva_max_bytes=0 if args.uva_gib is None else round(args.uva_gib * GIB),
+                                param_filter=tuple(args.filter))
+                  if chosen else attrs.evolve(LOAD_PREFETCH, param_filter=tuple(args.filter)))
+        return config, None, "as given" if chosen else (
+            "default without CUDA (prefetch, group size 2, 1 offloaded layer per group, depth 2)")
+    if args.filter:
+        raise _UserError("offload load: --filter applies to a given configuration (--group-size ... or --uva-gib); "
+                         "with CUDA and no configuration flag, the default fits the device")
+    return None, None, "fit to the device's memory (default with CUDA)"
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
+    import time
+
+    env = _capture()
+    config, budget, how = _load_request(args, env.platform.has_cuda)
+    try:
+        import torch
+        import transformers.modeling_utils  # noqa: F401  (imported before the clock starts: 2 s, not loading)
+
+        from offload.hf import offload_pretrained
+    except ImportError as exc:  # transformers is the optional `hf` extra
+        raise _UserError(f"offload load needs transformers: pip install 'offload[hf]' ({exc})") from None
+    start = time.monotonic()
+    with _ProgressScope(sys.stderr):
+        try:
+            model, offloader = offload_pretrained(
+                args.directory, config, device_budget_bytes=budget, env=env,
+                dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                reserve_bytes=round((args.reserve_gib or 0.0) * GIB),
+                profile=profile_by_name(args.profile) if args.profile else None)
+        except OffloadError:
+            raise
+        except (OSError, ValueError, RuntimeError) as exc:  # transformers refusing the directory's contents
+            if args.verbose >= 2:
+                raise
+            lines = str(exc).strip().splitlines()
+            raise _UserError(f"offload load: {args.directory}: loading failed: {type(exc).__name__}: "
+                             f"{lines[0] if lines else ''} (-vv for the traceback)") from None
+    seconds = time.monotonic() - start
+    plan = offloader.plan
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model:    {type(model).__name__} from {args.directory}: {format_bytes(nbytes)}, loaded and offloaded "
+          f"in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
+    print(f"config:   {how}")
+    print(f"plan:     {_plan_summary(plan, _outside_bytes(model))}")
+    if not env.platform.has_cuda:
+        print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
+    ids = torch.randint(0, int(getattr(model.config, "vocab_size", 2)), (1, args.tokens),
+                        device=torch.device(plan.compute_device))
+    start = time.monotonic()
+    with torch.inference_mode():
+        output = model(input_ids=ids)[0]
+    print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
+          f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
+    print(f"stats:    {_stats_summary(offloader.stats())}")
+    return _restore_and_check(model, offloader)
+
+
+class _ProgressScope:
+    """While entered, the ``offload.load`` logger's INFO records go to a `ProgressLine`
+    on `stream` (and nowhere else); on exit the line is finished and the logger restored."""
+
+    def __init__(self, stream: TextIO) -> None:
+        from offload.progress_line import ProgressLine
+
+        self._handler = ProgressLine(stream)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._log = logging.getLogger("offload.load")
+        self._saved = (self._log.level, self._log.propagate)
+
+    def __enter__(self) -> None:
+        self._log.addHandler(self._handler)
+        self._log.setLevel(logging.INFO)
+        self._log.propagate = False  # shown once, by the progress line
+
+    def __exit__(self, *exc: object) -> None:
+        self._handler.end()
+        self._log.removeHandler(self._handler)
+        self._log.setLevel(self._saved[0])
+        self._log.propagate = self._saved[1]
+
+
+def _outside_bytes(model: Any) -> int:
+    """Bytes of the tensors outside the layer stack (resident on the device), each storage once."""
+    from offload.describe import storage_key
+    from offload.hf.layers import find_layers
+    from offload.hf.model import outside_tensors
+
+    seen: dict[object, int] = {}
+    for _, tensor in outside_tensors(model, list(find_layers(model, None))):
+        seen.setdefault(storage_key(tensor) or id(tensor), tensor.numel() * tensor.element_size())
+    return sum(seen.values())
+
+
+def _plan_summary(plan: OffloadPlan, outside_bytes: int) -> str:
+    """One line: backend, layers offloaded, device and host bytes."""
+    layers = len({p.layer for p in plan.params if p.offloaded})
+    return (f"{plan.backend.value}, {layers} of {plan.num_layers} layers offloaded; device "
+            f"{format_bytes(plan.device_bytes_resident)} resident + {format_bytes(plan.device_bytes_buffers)} "
+            f"buffers + {format_bytes(outside_bytes)} outside the layers; host {format_bytes(plan.host_bytes)}")
+
+
+def _stats_summary(stats: OffloadStats) -> str:
+    waited = "n/a" if stats.wait_seconds is None else f"{stats.wait_seconds:.3f} s"
+    return (f"{stats.params_offloaded} parameters offloaded, host {format_bytes(stats.host_bytes)}, device buffers "
+            f"{format_bytes(stats.device_buffer_bytes)}, {stats.copies_issued} copies of "
+            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks")
+
+
+def _restore_and_check(model: Any, offloader: Any) -> int:
+    """Restore, and compare the weights of the first and last offloaded layers with their
+    true values from the offloaded model's ``state_dict()`` (its host copies), bit for
+    bit; every parameter must be off the meta device. Returns the exit status."""
+    import torch
+
+    from offload.hf.layers import find_layers
+
+    layers = list(find_layers(model, None))
+    hit = sorted({p.layer for p in offloader.plan.params if p.offloaded})
+    chosen = list(dict.fromkeys(hit[:1] + hit[-1:]))
+
+    def sample() -> dict[str, torch.Tensor]:
+        return {f"layer {i} {name}": tensor.detach() for i in chosen for name, tensor in layers[i].state_dict().items()}
+
+    before = {key: tensor.clone() for key, tensor in sample().items()}
+    offloader.restore()
+    after = sample()
+    wrong = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    wrong += [key for key, want in before.items() if key not in after or not torch.equal(after[key].cpu(), want.cpu())]
+    if wrong:
+        print(f"restore:  FAILED: {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''} not given back")
+        return 1
+    shown = " and ".join(f"{i}" for i in chosen) or "none"
+    print(f"restore:  done; {len(before)} tensors of layers {shown} equal bit for bit to the offloaded model's "
+          "state_dict (its host copies)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
@@ -402,6 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_env(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "load":
+            return _cmd_load(args)
         return _cmd_plan(args)
     except _UserError as exc:
         print(str(exc), file=sys.stderr)

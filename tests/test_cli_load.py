@@ -1,0 +1,275 @@
+"""`offload load DIR`: a local Hugging Face checkpoint loaded offloaded, one forward,
+restore; its errors; and the progress line it shows while loading."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import capture_env
+from offload.cli import main
+from offload.progress_line import ProgressLine
+from offload.pure.units import format_bytes
+from tests.hf.checkpoints import build, save
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama (4 layers) saved in several shards with an index."""
+    return save(build("llama"), tmp_path_factory.mktemp("cli-load") / "llama", sharded=True)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def lines_by_label(out: str) -> dict[str, str]:
+    """``label:   text`` lines as {label: text}."""
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        label, sep, text = line.partition(":")
+        if sep and label.isalpha():
+            found[label] = text.strip()
+    return found
+
+
+# ---- the command on a saved checkpoint ------------------------------------------------
+
+
+def test_load_prints_the_summary_and_restores(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--group-size", "2", "--num-in-group", "1",
+                         "--prefetch-step", "2", "--tokens", "5")
+    assert code == 0, err
+    shown = lines_by_label(out)
+    assert shown["model"].startswith(f"LlamaForCausalLM from {checkpoint}: ")
+    assert "GB/s" in shown["model"]
+    assert shown["config"] == "as given"
+    # 4 layers, every 2nd offloaded: layers 1 and 3.
+    assert shown["plan"].startswith("prefetch, 2 of 4 layers offloaded; device ")
+    assert "buffers" in shown["plan"] and "host " in shown["plan"]
+    assert shown["forward"].startswith("5 tokens in ")
+    assert shown["forward"].endswith("output (1, 5, 96), finite")
+    assert shown["stats"].startswith("18 parameters offloaded, host ")  # 9 per Llama layer
+    assert shown["restore"].startswith("done; 18 tensors of layers 1 and 3 equal bit for bit")
+    # Not a terminal: progress from the offload.load logger comes as plain lines.
+    progress = [line for line in err.splitlines() if line.startswith(("loading ", "loaded ", "offloading "))]
+    assert progress[0].startswith(f"loading {checkpoint} (")
+    assert any(line.startswith("loaded ") and "GB/s" in line for line in progress)
+    assert "\r" not in "".join(progress)
+    # The logger is left as it was found.
+    load_log = logging.getLogger("offload.load")
+    assert (load_log.handlers, load_log.propagate, load_log.level) == ([], True, logging.NOTSET)
+
+
+def test_load_default_config(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint))
+    assert code == 0, err
+    shown = lines_by_label(out)
+    if capture_env(os.environ).platform.has_cuda:
+        assert shown["config"] == "fit to the device's memory (default with CUDA)"
+        assert "device" not in shown
+    else:
+        assert shown["config"].startswith("default without CUDA (prefetch, group size 2, 1 offloaded layer")
+        assert shown["plan"].startswith("prefetch, 2 of 4 layers offloaded")
+        assert shown["device"].startswith("no accelerator")
+        assert shown["forward"].startswith("8 tokens in ")
+    assert shown["restore"].startswith("done; ")
+
+
+def test_load_uva_in_bfloat16(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--uva-gib", "0.00001", "--dtype", "bfloat16")
+    assert code == 0, err
+    shown = lines_by_label(out)
+    assert shown["plan"].startswith("uva, 1 of 4 layers offloaded")
+    # float32 on disk, 4 bytes a parameter; loaded as bfloat16, 2.
+    params = sum(p.numel() for p in build("llama").parameters())
+    assert shown["model"].startswith(f"LlamaForCausalLM from {checkpoint}: {format_bytes(2 * params)}, ")
+    assert shown["restore"].startswith("done; 9 tensors of layers 0 equal")
+
+
+def test_load_offloading_nothing_still_runs_and_restores(capsys: pytest.CaptureFixture[str],
+                                                          checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--backend", "none")
+    assert code == 0, err
+    shown = lines_by_label(out)
+    assert shown["plan"].startswith("none, 0 of 4 layers offloaded")
+    assert shown["restore"].startswith("done; 0 tensors of layers none")
+
+
+def test_load_fits_a_budget(capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--fit-gib", "0.0001", "--profile", "h200-pcie5")
+    assert code == 0, err
+    shown = lines_by_label(out)
+    assert shown["config"] == "fit to 104.9 KiB of device memory"
+    assert shown["restore"].startswith("done; ")
+
+
+def test_load_filter_offloads_only_matching_parameters(capsys: pytest.CaptureFixture[str],
+                                                       checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--group-size", "2", "--filter", "mlp")
+    assert code == 0, err
+    # gate, up and down of layers 1 and 3.
+    assert lines_by_label(out)["stats"].startswith("6 parameters offloaded, ")
+
+
+# ---- errors: one line, exit 2 ----------------------------------------------------------------
+
+
+def test_load_unknown_architecture_exits_2(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                           tmp_path: Path) -> None:
+    for file in checkpoint.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    code, out, err = run(capsys, "load", str(tmp_path))
+    assert (code, out) == (2, "")
+    last = err.splitlines()[-1]
+    assert last.startswith(f"offload load: {tmp_path}: loading failed: ValueError: ")
+    assert last.endswith("(-vv for the traceback)")
+
+
+def test_load_missing_directory_exits_2_naming_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    code, out, err = run(capsys, "load", str(missing))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    assert str(missing) in err and err.startswith("offload: error: ")
+
+
+def test_load_directory_without_config_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run(capsys, "load", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err == f"offload: error: {tmp_path}: no config.json\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fit-gib", "1", "--group-size", "2"],
+         "offload load: --fit-gib chooses the configuration itself; drop --group-size\n"),
+        (["--reserve-gib", "1", "--uva-gib", "1"],
+         "offload load: --reserve-gib applies only when fitting; give --fit-gib instead of --uva-gib\n"),
+        (["--fit-gib", "1", "--filter", "mlp"],
+         "offload load: --filter applies to a given configuration, not to --fit-gib\n"),
+        (["--fit-gib", "0"], "offload load: --fit-gib must be greater than 0\n"),
+        (["--tokens", "0"], "offload load: argument --tokens: '0' is not at least 1 (see --help)\n"),
+        (["--dtype", "int8"], None),
+        (["--group-size", "2", "--num-in-group", "3"], None),  # ConfigError: more in a group than the group
+    ],
+)
+def test_load_bad_flags_exit_2_in_one_line(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                           flags: list[str], message: str | None) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), *flags)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    if message is not None:
+        assert err == message
+    assert "Loading weights" not in err  # refused before loading anything
+
+
+# ---- the progress line ---------------------------------------------------------------------
+
+
+class FakeStream(io.StringIO):
+    """A text stream that says whether it is a terminal, and counts flushes."""
+
+    def __init__(self, *, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+        self.flushes = 0
+
+    def isatty(self) -> bool:
+        return self._tty
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+def record(message: str) -> logging.LogRecord:
+    return logging.LogRecord("offload.load", logging.INFO, __file__, 1, message, None, None)
+
+
+def test_progress_line_on_a_terminal_updates_one_line() -> None:
+    stream = FakeStream(tty=True)
+    handler = ProgressLine(stream)
+    assert handler.tty
+    first = "loading: 1.0 GiB of 4.0 GiB (2.00 GB/s)"  # 39 characters
+    handler.emit(record(first))
+    handler.emit(record("done"))  # shorter: spaces cover the rest of the longer line
+    handler.emit(record("two\nlines"))  # one line, whatever the message
+    assert stream.getvalue() == f"\r{first}\rdone{' ' * 35}\rtwo lines"
+    assert stream.flushes == 3
+    handler.end()
+    handler.end()  # once finished, nothing more
+    assert stream.getvalue() == f"\r{first}\rdone{' ' * 35}\rtwo lines\n"
+
+
+def test_progress_line_elsewhere_writes_plain_lines() -> None:
+    stream = FakeStream(tty=False)
+    handler = ProgressLine(stream)
+    assert not handler.tty
+    handler.emit(record("loading: 1.0 GiB of 4.0 GiB (2.00 GB/s)"))
+    handler.emit(record("done"))
+    handler.end()
+    assert stream.getvalue() == "loading: 1.0 GiB of 4.0 GiB (2.00 GB/s)\ndone\n"
+
+
+def test_progress_line_end_without_records_writes_nothing() -> None:
+    stream = FakeStream(tty=True)
+    ProgressLine(stream).end()
+    assert stream.getvalue() == ""
+
+
+def test_progress_line_tty_flag_overrides_the_stream() -> None:
+    stream = FakeStream(tty=False)
+    handler = ProgressLine(stream, tty=True)
+    handler.emit(record("x"))
+    handler.end()
+    assert stream.getvalue() == "\rx\n"
+
+
+def test_progress_line_uses_the_formatter() -> None:
+    stream = FakeStream(tty=False)
+    handler = ProgressLine(stream)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    handler.emit(record("hello %s"))
+    assert stream.getvalue() == "[offload.load] hello %s\n"
+
+
+def test_load_on_a_terminal_shows_one_progress_line(checkpoint: Path) -> None:
+    # The real command in a process whose stderr is a pseudo-terminal.
+    leader, follower = pty.openpty()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_", "VLLM_"))}
+    environ["HF_HUB_OFFLINE"] = "1"
+    environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # only our line on the terminal
+    process = subprocess.Popen([sys.executable, "-m", "offload", "load", str(checkpoint)], cwd=ROOT, env=environ,
+                               stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, shown.decode(errors="replace")
+    assert "restore:  done" in out
+    text = shown.decode().replace("\r\n", "\n")  # the terminal turns \n into \r\n
+    assert text.startswith("\rloading ")
+    assert text.count("\r") >= 3 and "\rloaded " in text
+    assert text.endswith("\n") and text.count("\n") == 1
