@@ -120,11 +120,16 @@ class Progress:
         self._what = what
         self._total = total_bytes
         self._done = 0
+        self._kept = 0
         self._every = every
         self._start = self._last = time.monotonic()
 
-    def advance(self, nbytes: int) -> None:
-        """`nbytes` more are done."""
+    def advance(self, nbytes: int, *, moved: bool = True) -> None:
+        """`nbytes` more are done: copied or allocated, or (``moved=False``) used where
+        they are, which takes no time and is reported apart."""
+        if not moved:
+            self._kept += nbytes
+            return
         self._done += nbytes
         now = time.monotonic()
         if now - self._last >= self._every:
@@ -135,8 +140,12 @@ class Progress:
     def finish(self) -> None:
         """Log the total."""
         now = time.monotonic()
-        log.info("%s: %s in %.2f s (%.2f GB/s)", self._what, format_bytes(self._done), now - self._start,
-                 self._rate(now))
+        kept = f"; {format_bytes(self._kept)} used in place" if self._kept else ""
+        if self._done:
+            log.info("%s: %s in %.2f s (%.2f GB/s)%s", self._what, format_bytes(self._done), now - self._start,
+                     self._rate(now), kept)
+        elif self._kept:
+            log.info("%s: nothing to copy%s", self._what, kept)
 
     def _rate(self, now: float) -> float:
         return self._done / max(now - self._start, 1e-9) / 1e9

@@ -58,6 +58,7 @@ from offload.executors.moving import (
 )
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
+from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
@@ -146,7 +147,7 @@ class PrefetchOffloader:
                 param = entry.param
                 if p.tied_to is None:
                     host = self._host.place(ref, param.data, entry.move)
-                    progress.advance(p.nbytes)
+                    progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
                 else:
                     host = self._host_of(p.tied_to)
                 self._origin[ref] = restore_place(entry.move, param.device, self._rt)

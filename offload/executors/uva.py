@@ -163,7 +163,7 @@ class UVAOffloader:
                 param = entry.param
                 if p.tied_to is None:
                     self._host.place(ref, param.data, entry.move)
-                    progress.advance(p.nbytes)
+                    progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
                 owner = p.tied_to or ref
                 if entry.move is Move.NEW_ON_HOST and p.placement is Placement.UVA:
                     # A loader will write these weights: into the host copy itself, not

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -30,7 +31,17 @@ from offload import (
 )
 from offload.pure.moves import Move
 from tests.executors.fakes import CopyTo, FakeRuntime, HostCopy, HostEmpty, ToDevice
-from tests.executors.helpers import CUDA_LIKE, assert_restored, inputs, patched_layers, snapshot, tie_groups
+from tests.executors.helpers import (
+    CUDA_LIKE,
+    assert_restored,
+    cpu_plan,
+    inputs,
+    patched_layers,
+    pinned_plan,
+    prefetch,
+    snapshot,
+    tie_groups,
+)
 from tests.executors.models import layer_list, mixed_model, transformer_model
 from tests.executors.moves_helpers import (
     KINDS,
@@ -243,3 +254,22 @@ def test_an_on_demand_forward_recording_autograd_is_refused_or_stays_within_the_
         return  # refused: fine
     assert out.requires_grad
     assert runtime.device_peak_bytes <= plan.device_bytes_resident + per_call
+
+
+def test_progress_is_logged_with_bytes_and_says_what_was_used_in_place(caplog: pytest.LogCaptureFixture) -> None:
+    """Long moves log their progress on the ``offload.load`` logger; weights adopted in
+    place are reported as such, not as copies at an absurd rate."""
+    model = transformer_model(3)
+    with caplog.at_level(logging.INFO, logger="offload.load"):
+        off = prefetch(cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=2)))
+        off.wrap_modules(layer_list(model))
+        off.restore()
+    messages = [r.getMessage() for r in caplog.records if r.name == "offload.load"]
+    assert any(m.startswith("offloading weights: nothing to copy;") and "used in place" in m for m in messages)
+    pinned = transformer_model(3)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload.load"):
+        off = prefetch(pinned_plan(pinned, OffloadConfig(group_size=1, prefetch_step=2)), FakeRuntime())
+        off.wrap_modules(layer_list(pinned))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("offloading weights")]
+    assert "GB/s" in line and "used in place" not in line
