@@ -4,7 +4,7 @@ resolving dtypes. No policy lives here; the plan has made every decision."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -27,6 +27,7 @@ __all__ = [
     "host_owner",
     "patch_forward",
     "raise_as_execution_error",
+    "refuse_autograd",
     "torch_dtype",
     "unpatch_forward",
 ]
@@ -137,3 +138,38 @@ def current_spec(p: ParamPlan, tensor: torch.Tensor) -> ParamSpec:
     """What `p`'s parameter is now (its data `tensor`), for `revise_plan`: shape, strides,
     dtype and storage identity of `tensor`, and the device it was planned on."""
     return attrs.evolve(describe_tensor(p.layer, p.name, tensor), device=p.device)
+
+
+def refuse_autograd(layer: int, module: nn.Module, names: Sequence[str], args: Sequence[Any],
+                    kwargs: Mapping[str, Any]) -> None:
+    """Refuse a call of offloaded `layer` that would record autograd history through its
+    offloaded weights: their storage is a shared slot or a copy made for the call, so a
+    backward would compute wrong gradients or none (offload is for inference).
+
+    Args:
+        layer: the layer's index, for the message.
+        module: the layer.
+        names: its offloaded parameters' names.
+        args, kwargs: the call's arguments (tensors looked at one level into tuples and lists).
+
+    Raises:
+        ExecutionError: grad mode is on and an offloaded weight or an input requires grad.
+    """
+    if not torch.is_grad_enabled():
+        return
+    weights = [n for n in names if (p := find_parameter(module, n)) is not None and p.requires_grad]
+    inputs = any(
+        isinstance(item, torch.Tensor) and item.requires_grad
+        for value in (*args, *kwargs.values())
+        for item in (value if isinstance(value, (tuple, list)) else (value,))
+    )
+    if not weights and not inputs:
+        return
+    why = f"its offloaded weights require grad ({', '.join(weights[:3])}{', ...' if len(weights) > 3 else ''})" \
+        if weights else "an input requires grad"
+    raise ExecutionError(
+        f"offloaded layer {layer} ran with autograd recording ({why}): offload is for inference, and a backward "
+        "through offloaded weights would give wrong gradients. Run under torch.inference_mode() or "
+        "torch.no_grad(), or call model.requires_grad_(False) and pass inputs that do not require grad",
+        name="grad_enabled", value=layer,
+    )

@@ -40,6 +40,7 @@ from offload.executors.common import (
     host_owner,
     patch_forward,
     raise_as_execution_error,
+    refuse_autograd,
     torch_dtype,
     unpatch_forward,
 )
@@ -273,7 +274,10 @@ class PrefetchOffloader:
     def _wrap_forward(self, layer: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         handle = self._handle
 
+        names = tuple(p.name for p in self._plan.offloaded_params if p.layer == layer)
+
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+            refuse_autograd(layer, self._layers[layer], names, args, kwargs)
             activation = first_float_tensor((*args, *kwargs.values()))
             if activation is None:
                 self.wait_layer(layer)

@@ -42,6 +42,7 @@ from offload.executors.common import (
     host_owner,
     patch_forward,
     raise_as_execution_error,
+    refuse_autograd,
     unpatch_forward,
 )
 from offload.executors.hoststore import HostStore
@@ -333,6 +334,7 @@ class UVAOffloader:
             entries = self._entries(layer)
             if not entries:
                 return forward(*args, **kwargs)
+            refuse_autograd(layer, self._layers[layer], [name for name, _ in entries], args, kwargs)
             if self._rt.is_capturing():
                 check_capturable(layer, entries, self._host, self._rt, self._plan.pin)
             out, copies, nbytes = call_with_copies(call, entries, self._host, self._rt, args, kwargs)

@@ -34,3 +34,11 @@ def collect_leftovers() -> Iterator[None]:
         gc.collect()
         torch.cuda.synchronize()
         drain_retired()
+
+
+@pytest.fixture(autouse=True)
+def no_autograd() -> Iterator[None]:
+    """Forwards run without autograd, as inference does: `offload` refuses a forward that
+    would record autograd history through offloaded weights."""
+    with torch.no_grad():
+        yield
