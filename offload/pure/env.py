@@ -56,7 +56,16 @@ class EnvFlags:
     disable_uva: bool = attrs.field(default=False, validator=is_bool(EnvError))
 
 
-def _parse_bool(variable: str, raw: str) -> bool | None:
+def _parse_bool(variable: str, raw: object) -> bool | None:
+    # The mapping's type says str, but callers pass dicts of their own (a config file's
+    # True, ``os.environb``'s bytes): refuse those by name instead of failing on `.strip`.
+    if not isinstance(raw, str):
+        raise EnvError(
+            f"{variable}={raw!r} is a {type(raw).__name__}, not a string; environment values "
+            "are strings: use 1/0, true/false, yes/no or on/off",
+            name=variable,
+            value=raw,
+        )
     value = raw.strip().lower()
     if value == "":
         return None
@@ -81,8 +90,9 @@ def parse_env(environ: Mapping[str, str]) -> EnvFlags:
         The flags; a variable that is unset or empty counts as not set (False).
 
     Raises:
-        EnvError: a value is not one of 1/0, true/false, yes/no, on/off (any case,
-            surrounding space ignored), or both spellings of a switch are set and disagree.
+        EnvError: a value is not a string, or not one of 1/0, true/false, yes/no, on/off
+            (any case, surrounding space ignored), or both spellings of a switch are set
+            and disagree.
     """
     values: dict[str, bool] = {}
     for flag, (primary, alias) in ENV_VARIABLES.items():

@@ -2,7 +2,8 @@
 
 `make_plan` (in `offload.pure.planner`) builds it; executors only read it. A plan
 round-trips through JSON without loss (`to_json` / `from_json`) and is checked on
-construction, so a plan read back from a file is held to the same rules as a fresh one.
+construction (`offload.pure._plan_rules`), so a plan read back from a file is held to
+the same rules as a fresh one.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from offload.pure._checks import int_at_least, is_str, one_of, tuple_of, tuple_o
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
 from offload.pure.moves import Move, decide_move, where_kind
-from offload.pure.schedule import PrefetchSchedule, check_schedule
-from offload.pure.serialize import from_data, to_data
+from offload.pure.schedule import PrefetchSchedule
+from offload.pure.serialize import from_data, parse_json, short_repr, to_data
 from offload.pure.spec import ParamSpec
 
 __all__ = [
@@ -278,45 +279,10 @@ class OffloadPlan:
     num_layers: int = attrs.field(validator=int_at_least(0, PlanError))
 
     def __attrs_post_init__(self) -> None:
-        if self.params and self.params[-1].layer >= self.num_layers:
-            raise PlanError(
-                f"parameters name layer {self.params[-1].layer} but the plan has {self.num_layers} layers",
-                name="num_layers",
-                value=self.num_layers,
-            )
-        if self.schedule.num_positions != len(self.offloaded_layers):
-            raise PlanError(
-                f"the schedule covers {self.schedule.num_positions} positions but "
-                f"{len(self.offloaded_layers)} layers are offloaded",
-                name="schedule",
-                value=self.schedule.num_positions,
-            )
-        check_schedule(self.schedule)
-        if self.device_bytes_buffers != sum(b.nbytes for b in self.buffers):
-            raise PlanError(
-                f"device_bytes_buffers {self.device_bytes_buffers} is not the sum of the buffers",
-                name="device_bytes_buffers",
-                value=self.device_bytes_buffers,
-            )
-        slots_of_key = {b.key: frozenset(b.slots) for b in self.buffers}
-        slot_of_layer = dict(zip(self.offloaded_layers, self.schedule.slots, strict=True))
-        prefetch = Placement.PREFETCH
-        for p in self.params:
-            if p.placement is not prefetch:
-                continue
-            where = f"parameter {p.layer}:{p.param.name}"
-            expected = slot_of_layer.get(p.layer)
-            if expected is None:
-                raise PlanError(f"{where} is PREFETCH but layer {p.layer} is not offloaded",
-                                name=p.param.name, value=p.layer)
-            if p.slot != expected:
-                raise PlanError(f"{where} has slot {p.slot}, the schedule says {expected}",
-                                name=p.param.name, value=p.slot)
-            if p.tied_to is not None and p.tied_to[0] == p.layer:
-                continue  # shares the buffer of the parameter it is tied to
-            if p.slot not in slots_of_key.get(p.param.buffer_key, ()):
-                raise PlanError(f"{where} has no buffer slot {p.slot} for key {p.param.buffer_key}",
-                                name=p.param.name, value=p.slot)
+        # The rules live in their own module, which reads the classes defined here.
+        from offload.pure._plan_rules import check_plan
+
+        check_plan(self)
 
     @property
     def offloaded_params(self) -> tuple[ParamPlan, ...]:
@@ -370,20 +336,22 @@ class OffloadPlan:
         return json.dumps({"format": PLAN_FORMAT, "plan": to_data(self)}, indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> OffloadPlan:
+    def from_json(cls, text: str | bytes) -> OffloadPlan:
         """Read a plan written by `to_json`.
 
+        The text is untrusted: it may have been edited by hand or be something else
+        entirely. Whatever it holds, the only error is a `PlanError`.
+
         Raises:
-            PlanError: the text is not JSON, not a plan of this format, or the plan breaks
-                a rule (the same checks as a freshly made plan).
+            PlanError: the text is not JSON (or nests too deep, or holds an over-long
+                integer, NaN, Infinity or a key twice: see `parse_json`), not a plan of
+                this format, or the plan breaks a rule (the same checks as a freshly made
+                plan, including every layer, slot, buffer and tie an executor indexes by).
         """
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"plan JSON does not parse: {exc}", name="json", value=None) from exc
+        document = parse_json(text)
         if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
             found = document.get("format") if isinstance(document, dict) else type(document).__name__
-            raise PlanError(f"not an {PLAN_FORMAT} document (format is {found!r})",
+            raise PlanError(f"not an {PLAN_FORMAT} document (format is {short_repr(found)})",
                             name="format", value=found)
         try:
             return from_data(cls, document.get("plan"))
@@ -391,3 +359,4 @@ class OffloadPlan:
             raise
         except OffloadError as exc:  # e.g. a ConfigError from the embedded config
             raise PlanError(f"the plan breaks a rule: {exc}", name=exc.name, value=exc.value) from exc
+

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.errors import EnvError, OffloadError
 from offload.pure import (
@@ -327,3 +328,53 @@ def test_different_snapshots_have_different_fingerprints(a: EnvSnapshot, b: EnvS
 
 def test_fingerprint_of_the_default_snapshot_is_repeatable() -> None:
     assert EnvSnapshot().fingerprint() == EnvSnapshot(flags=EnvFlags(), platform=Platform()).fingerprint()
+
+
+# Values that are not strings: a caller passing a config dict or ``os.environb`` (issue 10).
+NOT_STRINGS: list[object] = [True, False, 1, 0, 1.0, None, b"1", bytearray(b"0"), ["1"], ("on",), {"1": 1}, object()]
+
+
+@pytest.mark.parametrize("variable", ALL_VARIABLES)
+@pytest.mark.parametrize("raw", NOT_STRINGS, ids=repr)
+def test_a_value_that_is_not_a_string_raises_env_error_naming_variable_and_value(variable: str, raw: object) -> None:
+    environ: dict[str, Any] = {variable: raw}
+    with pytest.raises(EnvError) as caught:
+        parse_env(environ)
+    assert caught.value.name == variable
+    assert caught.value.value is raw
+    assert variable in str(caught.value)
+    assert repr(raw) in str(caught.value)
+    assert type(raw).__name__ in str(caught.value)
+
+
+@pytest.mark.parametrize(("primary", "alias"), [(PIN, PIN_ALIAS), (UVA, UVA_ALIAS), (PIN_ALIAS, PIN), (UVA_ALIAS, UVA)])
+def test_a_non_string_beside_a_valid_spelling_is_still_refused(primary: str, alias: str) -> None:
+    environ: dict[str, Any] = {primary: "1", alias: True}
+    with pytest.raises(EnvError) as caught:
+        parse_env(environ)
+    assert caught.value.name == alias
+    assert caught.value.value is True
+
+
+def test_a_string_subclass_is_read_as_a_string() -> None:
+    class Text(str):
+        pass
+
+    assert parse_env({PIN: Text(" ON "), UVA_ALIAS: Text("0")}) == EnvFlags(disable_pin_memory=True, disable_uva=False)
+
+
+_ANY_VALUE = st.one_of(st.text(max_size=6), st.sampled_from(["1", "0", " on ", "OFF", ""]), st.booleans(),
+                       st.integers(), st.none(), st.binary(max_size=3), st.lists(st.text(max_size=2), max_size=2))
+
+
+@settings(max_examples=200)
+@given(st.dictionaries(st.sampled_from(ALL_VARIABLES), _ANY_VALUE))
+def test_any_values_give_flags_or_an_env_error_naming_a_variable(environ: dict[str, Any]) -> None:
+    try:
+        flags = parse_env(environ)
+    except EnvError as exc:
+        assert exc.name is not None
+        assert any(variable in exc.name for variable in environ)
+        return
+    assert all(isinstance(value, str) for value in environ.values())
+    assert isinstance(flags, EnvFlags)
