@@ -22,6 +22,9 @@ class OffloadStats:
             the runtime cannot measure it.
         pin_fallbacks: host copies the plan pins that stayed pageable because pinning
             them failed (the model works; such a model cannot be captured in a CUDA graph).
+        realignments: prefetch: times the schedule was put right because offloaded layers
+            ran out of order, were skipped or run twice, or a forward stopped part way (the
+            weights stay correct; the layers until the next step copy on demand).
     """
 
     params_offloaded: int = 0
@@ -32,3 +35,4 @@ class OffloadStats:
     bytes_copied: int = 0
     wait_seconds: float | None = None
     pin_fallbacks: int = 0
+    realignments: int = 0

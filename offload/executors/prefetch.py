@@ -104,6 +104,11 @@ class PrefetchOffloader:
         self._landed: set[int] = set()
         self._position_of: dict[int, int] = {}  # offloaded layer -> schedule position (post_init)
         self._dropped = 0
+        # The schedule position expected next, and whether layers get their copy when
+        # they run until the next step begins (see `_realign`).
+        self._expected = 0
+        self._recovering = False
+        self._realignments = 0
         self._copies_issued = 0
         self._bytes_copied = 0
         self._handle = 0
@@ -342,14 +347,16 @@ class PrefetchOffloader:
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
+        expected, self._expected = self._expected, (position + 1) % len(self._copies)
+        if position != expected or self._recovering:
+            self._realign(position, expected, capturing)
         if position in self._landed:
             self._landed.discard(position)
             return
         entry = self._pending.pop(position, None)
-        if entry is None:
+        if entry is None:  # cannot happen once realigned; kept as a guard
             raise ExecutionError(
-                f"offloaded layer {self._plan.offloaded_layers[position]} ran again before its weights "
-                "were copied back: offloaded layers must run in order, every layer once per step",
+                f"offloaded layer {self._plan.offloaded_layers[position]} has no copy of its weights in flight",
                 name="position", value=position,
             )
         done, in_capture = entry
@@ -358,10 +365,49 @@ class PrefetchOffloader:
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
 
+    def _realign(self, position: int, expected: int, capturing: bool) -> None:
+        """`position` runs when the schedule expected `expected` (a forward stopped part
+        way, layers were skipped or run out of order or twice), or while realigning: put
+        the schedule right so that the weights are correct, whatever the order.
+
+        At the first position a new step begins: everything in flight is finished and the
+        step's first copies are issued as `post_init` does, and prefetching goes on. At any
+        other position the layer gets its own copy now (the compute stream waits for it),
+        and so does every later one until the next step begins; nothing is prefetched
+        meanwhile. Each realignment is counted (`stats().realignments`) and logged.
+
+        Raises:
+            ExecutionError: inside a CUDA graph capture (the order must be the eager one).
+        """
+        layers = self._plan.offloaded_layers
+        if capturing:
+            raise ExecutionError(
+                f"offloaded layer {layers[position]} ran out of order inside a CUDA graph capture (layer "
+                f"{layers[expected]} was next): capture a forward that runs every offloaded layer once, in order",
+                name="position", value=position,
+            )
+        if not self._recovering:
+            self._realignments += 1
+            log.info("offloaded layer %d ran when layer %d was next: schedule realigned (%s)", layers[position],
+                     layers[expected], "new step" if position == 0 else "copies on demand until the next step")
+        self._rt.synchronize()
+        self._pending.clear()
+        self._landed.clear()
+        if position == 0:
+            self._recovering = False
+            for first in self._plan.schedule.initial:
+                self._issue(first, self._rt.record(), in_capture=False)
+            if 0 not in self._pending:  # not a prefetched position at step start: copy it now
+                self._issue(0, self._rt.record(), in_capture=False)
+            return
+        self._recovering = True
+        self._issue(position, self._rt.record(), in_capture=False)
+
     def start_after_layer(self, layer: int) -> None:
-        """After `layer` ran: issue the copy the schedule names next (called by the op)."""
+        """After `layer` ran: issue the copy the schedule names next (called by the op);
+        nothing while the schedule is being realigned."""
         position = self._position(layer)
-        if position is None:
+        if position is None or self._recovering:
             return
         target = self._plan.schedule.next_after[position]
         if target is None:
@@ -447,6 +493,7 @@ class PrefetchOffloader:
             bytes_copied=self._bytes_copied,
             wait_seconds=self._rt.waited_seconds(),
             pin_fallbacks=self._host.fallbacks,
+            realignments=self._realignments,
         )
 
     def _host_of(self, ref: Ref) -> torch.Tensor:
