@@ -1,4 +1,5 @@
-"""`RecordingCudaRuntime`: a `CudaRuntime` that remembers every host copy it made; and
+"""`RecordingCudaRuntime`: a `CudaRuntime` that remembers every host copy it made (and
+every host tensor it was asked to release); and
 `measure_freed`, the device-memory measurement the GPU tests share."""
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ class HostRecord:
 
 @final
 class RecordingCudaRuntime:
-    """Delegates every effect to a real `CudaRuntime` and records each host copy."""
+    """Delegates every effect to a real `CudaRuntime` and records each host copy, and
+    the data pointer of each host tensor given to `release_host` (in `released`)."""
 
     def __init__(self) -> None:
         self._cuda = CudaRuntime()
         self.records: list[HostRecord] = []
+        self.released: list[int] = []
 
     @property
     def host_copies(self) -> list[tuple[bool, bool]]:
@@ -69,6 +72,7 @@ class RecordingCudaRuntime:
         return self._cuda.pin_fallbacks
 
     def release_host(self, host: torch.Tensor) -> None:
+        self.released.append(host.data_ptr())
         self._cuda.release_host(host)
 
     def device_view(self, host: torch.Tensor) -> torch.Tensor:
