@@ -1,9 +1,13 @@
-"""Run the tests' tiny torch models on one CPU thread.
+"""Run the tests' tiny torch models on one CPU thread, and without autograd.
 
 The test models are a few kilobytes; on a loaded machine with few cores, OpenMP worker
 threads waiting on each other turn each microsecond op into ten milliseconds. One thread
 keeps the suite fast and changes no result (every comparison is against a resident copy
 run in the same process, on the same thread count).
+
+Forwards run under ``torch.no_grad()``, as inference does: `offload` refuses a forward
+that would record autograd history through offloaded weights
+(`tests/executors/test_autograd.py` tests that refusal under ``torch.enable_grad()``).
 """
 
 from __future__ import annotations
@@ -20,3 +24,9 @@ def one_cpu_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_autograd() -> Iterator[None]:
+    with torch.no_grad():
+        yield

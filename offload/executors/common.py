@@ -4,8 +4,10 @@ resolving dtypes. No policy lives here; the plan has made every decision."""
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
+from typing import ParamSpec as _ParamSpec
 
 import attrs
 import torch
@@ -26,6 +28,7 @@ __all__ = [
     "host_of",
     "host_owner",
     "patch_forward",
+    "normal_tensors",
     "raise_as_execution_error",
     "refuse_autograd",
     "torch_dtype",
@@ -173,3 +176,20 @@ def refuse_autograd(layer: int, module: nn.Module, names: Sequence[str], args: S
         "torch.no_grad(), or call model.requires_grad_(False) and pass inputs that do not require grad",
         name="grad_enabled", value=layer,
     )
+
+
+_P = _ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def normal_tensors(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `method` outside inference mode: host copies, buffers and device tensors made
+    under ``torch.inference_mode()`` would be inference tensors, which a later forward
+    outside that mode cannot use."""
+
+    @functools.wraps(method)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+
+    return run

@@ -77,12 +77,16 @@ class HostStore:
         Raises:
             ExecutionError: the runtime failed, or `move` does not put anything in host memory.
         """
-        if move is Move.ADOPT:
-            return self._keep(ref, tensor, defer_release=defer_release)
-        if move is Move.NEW_ON_HOST:
-            return self._keep(ref, self._rt.host_empty(tensor, pin=self._pin), defer_release=defer_release)
-        if move in (Move.TO_HOST, Move.HOST_TO_PINNED):
-            return self.put(ref, tensor, defer_release=defer_release)
+        try:
+            if move is Move.ADOPT:
+                return self._keep(ref, tensor, defer_release=defer_release)
+            if move is Move.NEW_ON_HOST:
+                return self._keep(ref, self._rt.host_empty(tensor, pin=self._pin), defer_release=defer_release)
+            if move in (Move.TO_HOST, Move.HOST_TO_PINNED):
+                return self.put(ref, tensor, defer_release=defer_release)
+        except ExecutionError as exc:
+            # The runtime's error says what failed; say for which parameter.
+            raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: {exc}", name=exc.name, value=exc.value) from exc
         raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: move {move.value} puts nothing in host memory",
                              name=ref[1], value=move.value)
 

@@ -22,6 +22,7 @@ import attrs
 import torch
 from torch import nn
 
+from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import Ref, find_parameter, host_of, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
@@ -35,13 +36,19 @@ __all__ = [
     "Progress",
     "Restorer",
     "Undo",
+    "OffloadMark",
     "assign",
+    "claim",
     "describe_moves",
     "find_moves",
+    "mark",
     "move_resident",
     "restore_place",
     "resync_data",
     "state_dict_hook",
+    "take_replacements",
+    "held_storages",
+    "unmark",
 ]
 
 log = logging.getLogger("offload.load")
@@ -104,7 +111,102 @@ def find_moves(plan: OffloadPlan, layers: Sequence[nn.Module], device: torch.dev
         move = plan.move_of(p, live, compute)
         if p.offloaded or move is not Move.KEEP:
             found[(p.layer, p.name)] = Found(param=param, move=move)
+    _check_ties(plan, found)
     return found
+
+
+_MARK = "_offload_mark"
+
+
+@final
+class OffloadMark:
+    """Set on every layer an offloader has wrapped, until it restores them: a second
+    wrap of those layers, by any offloader, is refused by name; so are ``copy.deepcopy``
+    and pickling of the model (the copy would point at this offloader's slots and views
+    and drive its hooks)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def __deepcopy__(self, memo: object) -> OffloadMark:
+        raise ExecutionError(
+            f"cannot deepcopy an offloaded model (its layers are wrapped by {self.owner}): the copy would share "
+            "its offloader's slots and hooks; deepcopy before offloading, or call restore() first",
+            name="deepcopy", value=self.owner)
+
+    def __reduce__(self) -> Any:
+        raise ExecutionError(
+            f"cannot pickle an offloaded model (its layers are wrapped by {self.owner}): save its state_dict(), "
+            "which holds the real weights, or call restore() first", name="pickle", value=self.owner)
+
+    def __repr__(self) -> str:
+        return f"OffloadMark({self.owner})"
+
+
+def claim(layers: Sequence[nn.Module], owner: object) -> None:
+    """Refuse layers another offloader has wrapped and not restored (before anything moves).
+
+    Raises:
+        ExecutionError: naming the layer and the offloader holding it.
+    """
+    for index, layer in enumerate(layers):
+        mark = getattr(layer, "__dict__", {}).get(_MARK)
+        if isinstance(mark, OffloadMark):
+            raise ExecutionError(
+                f"layers[{index}] ({type(layer).__name__}) is already offloaded by {mark.owner}; restore() that "
+                "offloader first (a second one would copy its shared slots: another layer's weights)",
+                name=f"layers[{index}]", value=mark.owner)
+
+
+def mark(layers: Sequence[nn.Module], owner: object) -> None:
+    """Mark `layers` as wrapped by `owner` (see `OffloadMark`)."""
+    tag = OffloadMark(f"{type(owner).__name__}@{id(owner):#x}")
+    for layer in layers:
+        # First in the instance dict, so that pickling meets the mark before the hooks
+        # (local functions, which pickle would refuse with a less helpful error).
+        rest = {k: v for k, v in layer.__dict__.items() if k != _MARK}
+        layer.__dict__.clear()
+        layer.__dict__[_MARK] = tag
+        layer.__dict__.update(rest)
+
+
+def unmark(layers: Sequence[nn.Module]) -> None:
+    """Take the marks off again (restore)."""
+    for layer in layers:
+        layer.__dict__.pop(_MARK, None)
+
+
+def _check_ties(plan: OffloadPlan, found: Mapping[Ref, Found]) -> None:
+    """The plan's ties hold in the live model, and the model has no tie among offloaded
+    parameters that the plan does not know (either would leave one name with another's
+    weights, or two copies of one weight).
+
+    Raises:
+        PlanError: naming the two parameters and which side has the tie.
+    """
+    owner_of: dict[object, Ref] = {}
+    for p in plan.offloaded_params:
+        ref = (p.layer, p.name)
+        entry = found.get(ref)
+        if entry is None:
+            continue
+        key: object = storage_key(entry.param) or ("untied", ref)
+        if p.tied_to is not None:
+            tied = found.get(p.tied_to)
+            if tied is not None and (storage_key(tied.param) or ("untied", p.tied_to)) != key:
+                raise PlanError(
+                    f"layer {p.layer} parameter {p.name!r} is tied to layer {p.tied_to[0]} parameter "
+                    f"{p.tied_to[1]!r} in the plan, but in the model they hold separate data; plan again from this "
+                    "model", name=p.name, value=p.tied_to)
+            continue
+        first = owner_of.setdefault(key, ref)
+        if first != ref:
+            raise PlanError(
+                f"layer {p.layer} parameter {p.name!r} and layer {first[0]} parameter {first[1]!r} share one "
+                "storage in the model, but the plan treats them as separate; plan again from this model",
+                name=p.name, value=first)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -298,6 +400,11 @@ class Restorer:
         self.params = 0
         self.storages = 0
 
+    @property
+    def started(self) -> bool:
+        """Whether `run` has been called (a retry finishes what it began)."""
+        return self._groups is not None
+
     def run(self, plan: OffloadPlan) -> None:
         """Give every weight `plan` offloads back; skip what an earlier, failed run already
         gave back.
@@ -390,6 +497,43 @@ def resync_data(plan: OffloadPlan, p: ParamPlan, data: torch.Tensor, store: Host
         )
     move = plan.move_of(p, str(data.device), str(runtime.device))
     return store.place((p.layer, p.name), data, move, defer_release=defer_release)
+
+
+def take_replacements(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, ours: set[int],
+                      runtime: Runtime) -> int:
+    """Before a restore: a parameter whose data is no longer what the executor gave it
+    (storage not among `ours`: host copies, slots, views) was replaced by its user — a
+    loader after `wrap_modules`, post-processing before a failed `post_init`. Its data
+    becomes its host copy, so that restore gives back the new weights, not the old ones.
+
+    Returns:
+        How many parameters were replaced.
+
+    Raises:
+        ExecutionError: a parameter was replaced by a meta tensor (nothing to give back);
+            nothing has changed, and restore can be called again once it holds data.
+    """
+    replaced: list[tuple[ParamPlan, nn.Parameter]] = []
+    for p in plan.offloaded_params:
+        param = find_parameter(layers[p.layer], p.name)
+        if param is None or param.numel() == 0:
+            continue
+        if param.device.type == "meta":
+            raise ExecutionError(
+                f"layer {p.layer} parameter {p.name!r} was replaced by a meta tensor: restore cannot give it back; "
+                "nothing was restored (give it data and call restore() again)", name=p.name, value=p.layer)
+        if param.untyped_storage().data_ptr() not in ours:
+            replaced.append((p, param))
+    for p, param in replaced:
+        resync_data(plan, p, param.data, store, runtime)
+        log.info("layer %d parameter %r was replaced after wrapping: restore gives back its new data", p.layer, p.name)
+    return len(replaced)
+
+
+def held_storages(store: HostStore, *others: Iterable[torch.Tensor]) -> set[int]:
+    """The storage addresses of every host copy in `store` and of `others`."""
+    tensors = [t for ref in store if (t := store.get(ref)) is not None]
+    return {t.untyped_storage().data_ptr() for group in (tensors, *others) for t in group if t.numel()}
 
 
 StateDictHook = Callable[[nn.Module, dict[str, Any], str, Any], None]

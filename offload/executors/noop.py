@@ -8,9 +8,9 @@ from typing import final
 from torch import nn
 
 from offload.errors import ExecutionError, PlanError
-from offload.executors.common import raise_as_execution_error
+from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.executors.hoststore import HostStore
-from offload.executors.moving import Restorer, Undo, find_moves, move_resident
+from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, move_resident, unmark
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan
 from offload.stats import OffloadStats
@@ -43,12 +43,14 @@ class NoopOffloader:
         self._rt = runtime
         self._wrapped = False
         self._restorer: Restorer | None = None
+        self._layers: list[nn.Module] = []
 
     @property
     def plan(self) -> OffloadPlan:
         """The plan (nothing offloaded)."""
         return self._plan
 
+    @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
         """Check the layers against the plan and return them unchanged.
 
@@ -59,6 +61,7 @@ class NoopOffloader:
         if self._wrapped:
             raise ExecutionError("wrap_modules was already called", name="state", value="wrapped")
         layers = list(layers)
+        claim(layers, self)
         found = find_moves(self._plan, layers, self._rt.device)
         undo = Undo()
         store = HostStore(self._rt, pin=self._plan.pin.method)  # stays empty: nothing is offloaded
@@ -69,9 +72,12 @@ class NoopOffloader:
             raise_as_execution_error(exc, "moving weights to the device failed, model left as it was",
                                      "wrap_modules")
         self._restorer = Restorer(layers, store, {}, from_host, self._rt)
+        self._layers = layers
+        mark(layers, self)
         self._wrapped = True
         return layers
 
+    @normal_tensors
     def post_init(self) -> None:
         """Nothing to prepare: no parameter is offloaded."""
 
@@ -81,6 +87,7 @@ class NoopOffloader:
     def join_after_forward(self) -> None:
         """Nothing is ever in flight."""
 
+    @normal_tensors
     def restore(self) -> None:
         """Give weights that came from host memory back to it; forget the wrapped state
         so the layers can be wrapped again.
@@ -91,6 +98,8 @@ class NoopOffloader:
         if self._restorer is not None:
             self._restorer.run(self._plan)
         self._restorer = None
+        unmark(self._layers)
+        self._layers = []
         self._wrapped = False
 
     def stats(self) -> OffloadStats:

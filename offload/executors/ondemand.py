@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from offload.errors import ExecutionError
-from offload.executors.common import Ref, host_of, host_owner
+from offload.executors.common import Ref, host_of, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.protocols import Runtime
 from offload.pure.decisions import PinDecision
@@ -71,7 +71,11 @@ def call_with_copies(
         tensor = on_device.get(owner)
         if tensor is None:
             host = host_of(store, owner)
-            tensor = on_device[owner] = runtime.to_device(host)
+            try:
+                tensor = on_device[owner] = runtime.to_device(host)
+            except BaseException as exc:
+                raise_as_execution_error(exc, f"the on-demand copy of layer {owner[0]} parameter {owner[1]!r} failed",
+                                         owner[1])
             nbytes += host.untyped_storage().nbytes()
         tensors[f"layer.{name}"] = tensor  # tied names get the same tensor
     out = torch.func.functional_call(call, tensors, args, kwargs, tie_weights=False, strict=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -38,6 +39,7 @@ from offload.executors.common import (
     first_float_tensor,
     host_of,
     host_owner,
+    normal_tensors,
     patch_forward,
     raise_as_execution_error,
     refuse_autograd,
@@ -50,12 +52,17 @@ from offload.executors.moving import (
     Restorer,
     Undo,
     assign,
+    claim,
     describe_moves,
     find_moves,
+    held_storages,
+    mark,
     move_resident,
     restore_place,
     resync_data,
     state_dict_hook,
+    take_replacements,
+    unmark,
 )
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
@@ -96,6 +103,7 @@ class PrefetchOffloader:
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
+        self._bound: list[list[tuple[nn.Parameter, torch.Tensor]]] = []  # position -> (parameter, its buffer)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
         # Per position, the copy in flight for its next run: its done event and whether it
         # was issued inside a CUDA graph capture. A position in `_landed` has its weights
@@ -121,6 +129,7 @@ class PrefetchOffloader:
 
     # ---- setup ----------------------------------------------------------------------
 
+    @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
         """Move every planned parameter to host storage and install the forward hooks.
 
@@ -142,6 +151,7 @@ class PrefetchOffloader:
                                  name="state", value=self._state.value)
         layers = list(layers)
         plan = self._plan
+        claim(layers, self)
         found = find_moves(plan, layers, self._rt.device)
         undo = Undo()
         replaced: dict[int, nn.Parameter] = {}
@@ -177,12 +187,14 @@ class PrefetchOffloader:
         self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in self._plan.offloaded_layers]
+        mark(layers, self)
         self._state = Lifecycle.WRAPPED
         log.info("offloaded %d parameters of %d layers to host memory (%s; moves: %s)", len(self._origin),
                  len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable",
                  describe_moves(found))
         return layers
 
+    @normal_tensors
     def post_init(self) -> None:
         """After the weights are final: re-sync host copies, allocate buffers, prefetch.
 
@@ -199,7 +211,11 @@ class PrefetchOffloader:
         if self._state is not Lifecycle.WRAPPED:
             raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
                                  name="state", value=self._state.value)
-        revised = revise_plan(self._plan, self._resync())
+        try:
+            revised = revise_plan(self._plan, self._resync())
+        except BaseException as exc:
+            raise_as_execution_error(exc, "post_init failed re-reading the weights, weights left in host memory",
+                                     "post_init")
         if revised is not self._plan:
             log.info("post-processing changed offloaded parameters; plan revised")
         self._plan = plan = revised
@@ -225,6 +241,7 @@ class PrefetchOffloader:
                 param.data = host
         self._buffers.clear()
         self._copies = []
+        self._bound = []
         self._pending.clear()
         self._landed.clear()
 
@@ -236,6 +253,7 @@ class PrefetchOffloader:
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
         self._position_of = position_of
         self._copies = [[] for _ in plan.offloaded_layers]
+        self._bound = [[] for _ in plan.offloaded_layers]
         for p in plan.offloaded_params:
             ref = (p.layer, p.name)
             param = find_parameter(self._layers[p.layer], p.name)
@@ -251,6 +269,7 @@ class PrefetchOffloader:
                 continue
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
+            self._bound[position_of[p.layer]].append((param, buffer))
             self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
         for position in plan.schedule.initial:
             self._issue(position, self._rt.record(), in_capture=False)
@@ -280,6 +299,33 @@ class PrefetchOffloader:
         handle = self._handle
 
         names = tuple(p.name for p in self._plan.offloaded_params if p.layer == layer)
+        slots = ops.bound_slots(handle)
+        if slots is None:
+            # The slot tensors of each layer, as the ops are handed them: its offloaded
+            # parameters (whose data are slot buffers), each once. The ops declare them
+            # mutated, so that under torch.compile every read of a weight is ordered after
+            # the wait that fills its slot and before the start that overwrites it. Built
+            # once per offloader; holds it weakly (the ops' registry outlives no model).
+            by_layer: dict[int, list[str]] = {}
+            for p in self._plan.offloaded_params:
+                by_layer.setdefault(p.layer, []).append(p.name)
+            owner = weakref.ref(self)
+
+            def slot_tensors(index: int) -> list[torch.Tensor]:
+                offloader = owner()
+                if offloader is None:
+                    return []
+                module = offloader._layers[index]
+                found: list[torch.Tensor] = []
+                for name in by_layer.get(index, ()):
+                    param = find_parameter(module, name)
+                    if param is not None and all(param is not seen for seen in found):
+                        found.append(param)
+                return found
+
+            slots = slot_tensors
+            ops.bind_slots(handle, slots)
+        slots_of = slots
 
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
             refuse_autograd(layer, self._layers[layer], names, args, kwargs)
@@ -287,7 +333,7 @@ class PrefetchOffloader:
             if activation is None:
                 self.wait_layer(layer)
             else:
-                ops.wait_prefetch(activation, handle, layer)
+                ops.wait_prefetch(activation, list(slots_of(layer)), handle, layer)
             out = forward(*args, **kwargs)
             produced = first_float_tensor((out,))
             if produced is None:
@@ -295,7 +341,12 @@ class PrefetchOffloader:
             if produced is None:
                 self.start_after_layer(layer)
             else:
-                ops.start_prefetch(produced, handle, layer)
+                # The layer whose copy the start issues: its slot is the one overwritten.
+                position = self._position_of.get(layer)
+                after = None if position is None else self._plan.schedule.next_after[position]
+                target = ops.NO_LAYER if after is None else self._plan.offloaded_layers[after]
+                overwritten = [] if target == ops.NO_LAYER else list(slots_of(target))
+                ops.start_prefetch(produced, overwritten, handle, layer, target)
             return out
 
         return offloaded_forward
@@ -303,11 +354,16 @@ class PrefetchOffloader:
     def _issue(self, position: int, after: Event, *, in_capture: bool) -> None:
         done: Event = after
         first = True
-        for buffer, host in self._copies[position]:
-            done = self._rt.copy_after(buffer, host, after if first else None)
-            first = False
-            self._copies_issued += 1
-            self._bytes_copied += host.untyped_storage().nbytes()
+        try:
+            for buffer, host in self._copies[position]:
+                done = self._rt.copy_after(buffer, host, after if first else None)
+                first = False
+                self._copies_issued += 1
+                self._bytes_copied += host.untyped_storage().nbytes()
+        except BaseException as exc:
+            # No entry for the position: the layer that needs it realigns (copies it again).
+            raise_as_execution_error(
+                exc, f"copying offloaded layer {self._plan.offloaded_layers[position]}'s weights failed", "forward")
         self._pending[position] = (done, in_capture)
         self._landed.discard(position)
 
@@ -347,23 +403,32 @@ class PrefetchOffloader:
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
+        for param, buffer in self._bound[position]:
+            if param.data_ptr() != buffer.data_ptr() or param.dtype != buffer.dtype:
+                self._refuse_changed(position, param)
         expected, self._expected = self._expected, (position + 1) % len(self._copies)
-        if position != expected or self._recovering:
+        if (position != expected or self._recovering
+                or (position not in self._landed and position not in self._pending)):
             self._realign(position, expected, capturing)
         if position in self._landed:
             self._landed.discard(position)
             return
-        entry = self._pending.pop(position, None)
-        if entry is None:  # cannot happen once realigned; kept as a guard
-            raise ExecutionError(
-                f"offloaded layer {self._plan.offloaded_layers[position]} has no copy of its weights in flight",
-                name="position", value=position,
-            )
-        done, in_capture = entry
+        done, in_capture = self._pending.pop(position)
         if capturing == in_capture:
             self._rt.wait(done)
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
+
+    def _refuse_changed(self, position: int, param: nn.Parameter) -> None:
+        layer = self._plan.offloaded_layers[position]
+        name = next((n for n, q in self._layers[layer].named_parameters(remove_duplicate=False) if q is param), "?")
+        raise ExecutionError(
+            f"layer {layer} parameter {name!r} no longer points at its static buffer: it was changed after "
+            f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor assigned to "
+            "it), and the copies would fill a buffer it does not read. Call restore() first (it keeps the new "
+            "data), make the change, then offload again",
+            name=name, value=layer,
+        )
 
     def _realign(self, position: int, expected: int, capturing: bool) -> None:
         """`position` runs when the schedule expected `expected` (a forward stopped part
@@ -388,8 +453,9 @@ class PrefetchOffloader:
             )
         if not self._recovering:
             self._realignments += 1
-            log.info("offloaded layer %d ran when layer %d was next: schedule realigned (%s)", layers[position],
-                     layers[expected], "new step" if position == 0 else "copies on demand until the next step")
+            log.info("offloaded layer %d ran %s: schedule realigned (%s)", layers[position],
+                     "without a copy in flight" if position == expected else f"when layer {layers[expected]} was next",
+                     "new step" if position == 0 else "copies on demand until the next step")
         self._rt.synchronize()
         self._pending.clear()
         self._landed.clear()
@@ -446,6 +512,7 @@ class PrefetchOffloader:
 
     # ---- teardown and counters ------------------------------------------------------
 
+    @normal_tensors
     def restore(self) -> None:
         """Put every weight back on its original device, bit for bit; remove the hooks;
         release buffers and host memory.
@@ -457,7 +524,10 @@ class PrefetchOffloader:
         if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
-        self._rt.synchronize()
+        try:
+            self._rt.synchronize()
+        except BaseException as exc:
+            raise_as_execution_error(exc, "restore could not wait for the device, nothing restored", "restore")
         restorer = self._restorer
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
@@ -465,6 +535,9 @@ class PrefetchOffloader:
         # The buffers go first (the device then holds no slot while weights come back to
         # it), and nothing here keeps a host copy the restorer releases (the host then
         # holds each weight once). Until restore finishes the model must not run.
+        if not restorer.started:
+            slots = (t for slots in self._buffers.values() for t in slots.values())
+            take_replacements(self._plan, self._layers, self._host, held_storages(self._host, slots), self._rt)
         self._drop_buffers()
         restorer.run(self._plan)
         for index, previous in self._patched.items():
@@ -476,6 +549,7 @@ class PrefetchOffloader:
         self._patched.clear()
         self._host.clear()
         self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        unmark(self._layers)
         self._state = Lifecycle.RESTORED
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)

@@ -40,6 +40,7 @@ from offload.executors.common import (
     find_parameter,
     host_of,
     host_owner,
+    normal_tensors,
     patch_forward,
     raise_as_execution_error,
     refuse_autograd,
@@ -51,12 +52,17 @@ from offload.executors.moving import (
     Restorer,
     Undo,
     assign,
+    claim,
     describe_moves,
     find_moves,
+    held_storages,
+    mark,
     move_resident,
     restore_place,
     resync_data,
     state_dict_hook,
+    take_replacements,
+    unmark,
 )
 from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
 from offload.protocols import Runtime
@@ -131,6 +137,7 @@ class UVAOffloader:
 
     # ---- setup ----------------------------------------------------------------------
 
+    @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
         """Move every planned parameter to host memory: UVA ones behind a device view,
         on-demand ones with a forward that copies them in per call.
@@ -153,6 +160,7 @@ class UVAOffloader:
                                  name="state", value=self._state.value)
         layers = list(layers)
         plan = self._plan
+        claim(layers, self)
         found = find_moves(plan, layers, self._rt.device)
         undo = Undo()
         replaced: dict[int, nn.Parameter] = {}
@@ -191,6 +199,7 @@ class UVAOffloader:
         self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in layers_offloaded]
+        mark(layers, self)
         self._state = Lifecycle.WRAPPED
         log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand "
                  "(moves: %s)", len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
@@ -258,6 +267,7 @@ class UVAOffloader:
         self._sources.clear()
         self._origin.clear()
 
+    @normal_tensors
     def post_init(self) -> None:
         """After the weights are final: re-read every planned parameter by name.
 
@@ -273,8 +283,8 @@ class UVAOffloader:
         if self._state is not Lifecycle.WRAPPED:
             raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
                                  name="state", value=self._state.value)
-        self._rt.synchronize()  # UVA layers may have run: nothing may read a copy released below
         try:
+            self._rt.synchronize()  # UVA layers may have run: nothing may read a copy released below
             actual, deleted = self._resync()
             revised = revise_plan(self._plan, actual)
         except BaseException as exc:
@@ -334,7 +344,18 @@ class UVAOffloader:
             entries = self._entries(layer)
             if not entries:
                 return forward(*args, **kwargs)
-            refuse_autograd(layer, self._layers[layer], [name for name, _ in entries], args, kwargs)
+            module = self._layers[layer]
+            refuse_autograd(layer, module, [name for name, _ in entries], args, kwargs)
+            for name, owner in entries:
+                param = find_parameter(module, name)
+                host = self._host.get(owner)
+                if param is not None and host is not None and (param.data_ptr() != host.data_ptr()
+                                                                or param.dtype != host.dtype):
+                    raise ExecutionError(
+                        f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
+                        f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor "
+                        "assigned to it), and the layer would run with the old weights. Call restore() first (it "
+                        "keeps the new data), make the change, then offload again", name=name, value=layer)
             if self._rt.is_capturing():
                 check_capturable(layer, entries, self._host, self._rt, self._plan.pin)
             out, copies, nbytes = call_with_copies(call, entries, self._host, self._rt, args, kwargs)
@@ -372,6 +393,7 @@ class UVAOffloader:
 
     # ---- teardown and counters ------------------------------------------------------
 
+    @normal_tensors
     def restore(self) -> None:
         """Put every weight back on its original device with its strides, bit for bit
         (tied storages as one tensor); remove the hooks; release every host copy.
@@ -383,7 +405,10 @@ class UVAOffloader:
         if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
-        self._rt.synchronize()  # kernels may still read the host copies released below
+        try:
+            self._rt.synchronize()  # kernels may still read the host copies released below
+        except BaseException as exc:
+            raise_as_execution_error(exc, "restore could not wait for the device, nothing restored", "restore")
         restorer = self._restorer
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
@@ -391,6 +416,9 @@ class UVAOffloader:
         # Nothing here may keep a host copy the restorer releases (a view holds its host
         # tensor): parameters point at their host copies, the views go. Until restore
         # finishes the model must not run.
+        if not restorer.started:
+            held = held_storages(self._host, self._data.values())
+            take_replacements(self._plan, self._layers, self._host, held, self._rt)
         self._point_at_host_copies()
         self._data.clear()
         self._viewed.clear()
@@ -405,6 +433,7 @@ class UVAOffloader:
         self._on_demand = {}
         self._forget()
         self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        unmark(self._layers)
         self._state = Lifecycle.RESTORED
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)

@@ -19,7 +19,7 @@ from torch import nn
 
 from offload.describe import describe_layers, storage_key
 from offload.errors import ConfigError, ExecutionError, PlanError
-from offload.executors.common import raise_as_execution_error
+from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.hf.layers import find_layers
 from offload.protocols import Offloader, Runtime
 from offload.pure.config import OffloadConfig
@@ -107,6 +107,7 @@ class ModelOffloader:
         """The layers' plan (see `Offloader.plan`)."""
         return self._inner.plan
 
+    @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
         """Offload the layers as the plan says, then put every other tensor of the model
         on the compute device. If anything fails, the model is left as it was.
@@ -182,6 +183,7 @@ class ModelOffloader:
                 self._set(slot, data)
             self._moved.pop()
 
+    @normal_tensors
     def post_init(self) -> None:
         """See `Offloader.post_init`."""
         self._inner.post_init()
@@ -194,6 +196,7 @@ class ModelOffloader:
         """See `Offloader.join_after_forward`."""
         self._inner.join_after_forward()
 
+    @normal_tensors
     def restore(self) -> None:
         """Give every weight back where it was: the layers' (see the executor's
         `restore`), then the tensors outside them.

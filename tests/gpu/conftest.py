@@ -35,10 +35,3 @@ def collect_leftovers() -> Iterator[None]:
         torch.cuda.synchronize()
         drain_retired()
 
-
-@pytest.fixture(autouse=True)
-def no_autograd() -> Iterator[None]:
-    """Forwards run without autograd, as inference does: `offload` refuses a forward that
-    would record autograd history through offloaded weights."""
-    with torch.no_grad():
-        yield
