@@ -296,15 +296,24 @@ class TorchCudaProbe:
     into this process (found in /proc/self/maps when first needed), opened with
     ``RTLD_NOLOAD`` so that a second, different CUDA runtime is never loaded.
 
+    A failed ``cudaDeviceGetAttribute`` leaves its error as CUDA's "last error", which torch
+    would report at the next kernel launch, far from here: it is cleared at once with
+    ``cudaGetLastError`` from the same library.
+
     Args:
         read_text: reads /proc/self/maps.
         device_index: the torch CUDA device index.
+        open_library: opens the CUDA runtime (`open_libcudart`); tests pass a fake with
+            ``cudaDeviceGetAttribute`` and ``cudaGetLastError``.
     """
 
-    def __init__(self, read_text: ReadText, device_index: int = _DEVICE_INDEX) -> None:
+    def __init__(self, read_text: ReadText, device_index: int = _DEVICE_INDEX, *,
+                 open_library: Callable[[ReadText], Any] | None = None) -> None:
         self._read_text = read_text
         self._index = device_index
+        self._open_library: Callable[[ReadText], Any] = open_library or open_libcudart
         self._get_attribute: Callable[..., Any] | None = None
+        self._get_last_error: Callable[[], Any] | None = None
 
     def device(self) -> DeviceInfo:
         """The device's properties, from ``torch.cuda.get_device_properties``.
@@ -342,22 +351,32 @@ class TorchCudaProbe:
         value = ctypes.c_int(0)
         status = int(get_attribute(ctypes.byref(value), code, self._index))
         if status != 0:
+            if self._get_last_error is not None:
+                self._get_last_error()  # clears the error (returns it too)
             raise ProbeError(f"cudaDeviceGetAttribute returned cudaError {status}")
         return value.value
 
     def _function(self) -> Callable[..., Any]:
         if self._get_attribute is not None:
             return self._get_attribute
-        library = open_libcudart(self._read_text)
+        library = self._open_library(self._read_text)
+        name = getattr(library, "_name", "libcudart")
         try:
             function = library.cudaDeviceGetAttribute
         except AttributeError as exc:
-            raise ProbeError(f"cannot use cudaDeviceGetAttribute from {library._name}: {exc}") from exc
+            raise ProbeError(f"cannot use cudaDeviceGetAttribute from {name}: {exc}") from exc
         function.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int)
         function.restype = ctypes.c_int
-        _log.debug("reading device attributes through %s", library._name)
+        last_error = getattr(library, "cudaGetLastError", None)
+        if last_error is not None:
+            last_error.argtypes = ()
+            last_error.restype = ctypes.c_int
+        else:
+            _log.debug("%s has no cudaGetLastError: errors of failed attribute reads are not cleared", name)
+        _log.debug("reading device attributes through %s", name)
+        self._get_last_error = last_error
         self._get_attribute = function
-        return function
+        return self._get_attribute
 
 
 def open_libcudart(read_text: ReadText = read_proc_text) -> ctypes.CDLL:

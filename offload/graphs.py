@@ -1,17 +1,67 @@
 """`capture_forward`: capture one forward of an offloaded model in a CUDA graph, following
 the offloader's protocol (warm up, `sync_prev_onload` before the capture,
-`join_after_forward` inside it after the forward)."""
+`join_after_forward` inside it after the forward).
+
+`captured` is that protocol without CUDA (the capture is any context manager), so that it
+is tested on the CPU with a runtime that plays a capture.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 import torch
 
 from offload.protocols import Offloader
 
-__all__ = ["capture_forward"]
+__all__ = ["capture_forward", "captured"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def captured(run: Callable[[], T], offloader: Offloader | None, capture: AbstractContextManager[object]) -> T:
+    """Run `run` inside `capture` as the offloader needs it.
+
+    Before: `sync_prev_onload` (every earlier copy has landed). Inside, after `run`:
+    `join_after_forward`. If anything fails in between, or ending the capture fails, the
+    capture is void: nothing it recorded ever runs, while the offloader counted the copies
+    issued in it as in flight. So `sync_prev_onload` runs again once the capture has ended
+    (nothing is in flight any more, and nothing issued inside the capture is still
+    pending), and the next eager forward realigns the offloader's schedule where the
+    aborted forward left it (a forward that stopped part way starts a new step).
+
+    Args:
+        run: the forward to capture.
+        offloader: the model's offloader, or None for a model without one.
+        capture: the capture, e.g. ``torch.cuda.graph(graph)``.
+
+    Returns:
+        What `run` returned.
+
+    Raises:
+        Whatever `run`, the offloader or the capture raised (the first failure; a failure of
+        the recovering `sync_prev_onload` is logged, not raised over it).
+    """
+    if offloader is not None:
+        offloader.sync_prev_onload()
+    try:
+        with capture:
+            output = run()
+            if offloader is not None:
+                offloader.join_after_forward()
+    except BaseException:
+        if offloader is not None:
+            try:
+                offloader.sync_prev_onload()
+            except Exception:  # the capture's own failure is the one to report
+                log.warning("after an aborted CUDA graph capture, sync_prev_onload failed too", exc_info=True)
+        raise
+    return output
 
 
 def capture_forward(
@@ -22,7 +72,8 @@ def capture_forward(
 
     Warms up on a side stream (`warmup` forwards, as PyTorch asks before capture), waits
     for the offloader's earlier copies, captures one forward and joins the copies issued
-    inside it. Replay with ``graph.replay()`` after writing new values into `static_input`.
+    inside it (see `captured`, which also recovers from a capture that fails). Replay with
+    ``graph.replay()`` after writing new values into `static_input`.
 
     Args:
         model: the model (or any callable of one tensor).
@@ -34,7 +85,8 @@ def capture_forward(
         The graph and the output of the captured forward (rewritten by each replay).
 
     Raises:
-        ExecutionError: the offloader refuses the capture (e.g. weights in pageable memory).
+        ExecutionError: the offloader refuses the capture (e.g. weights in pageable memory);
+            the model stays usable eagerly.
     """
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
     side.wait_stream(torch.cuda.current_stream())
@@ -42,11 +94,6 @@ def capture_forward(
         for _ in range(warmup):
             model(static_input)
     torch.cuda.current_stream().wait_stream(side)
-    if offloader is not None:
-        offloader.sync_prev_onload()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = model(static_input)
-        if offloader is not None:
-            offloader.join_after_forward()
+    output = captured(lambda: model(static_input), offloader, torch.cuda.graph(graph))
     return graph, output

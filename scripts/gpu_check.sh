@@ -12,15 +12,23 @@ export PYTHONUNBUFFERED=1
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 PY=${PYTHON:-python3}
 LOG="${OUT:-/tmp}/gpu_check.log"
+# Per-test results survive a timeout as junit XML next to the log.
+JUNIT_DIR="${OUT:-/tmp}"
 # Without numpy, torch warns during compilation; the suite turns warnings into errors.
 NUMPY_FILTER="ignore:Failed to initialize NumPy"
 # Step limits add up to 540 s: one call fits the tool's 600 s limit with room to spare.
 FAILED=""
 step() { echo; echo "=== $* ($(date +%T))"; }
+# pytest with SIGINT turned back into KeyboardInterrupt: a process started in the
+# background of a non-interactive shell inherits SIGINT ignored, and Python keeps it so.
+PYTEST=($PY -c 'import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))')
+# A step past its limit gets SIGINT first, so that pytest stops as on Ctrl-C and still
+# prints its summary (and writes its junit XML); SIGKILL follows 10 s later if it hangs.
+# timeout then exits 124 (or 137 after the kill).
 run() {  # run <name> <seconds> <command...>: note a failure or timeout, go on
   local name=$1 limit=$2; shift 2
   step "$name"
-  timeout "$limit" "$@"
+  timeout -s INT -k 10 "$limit" "$@"
   local rc=$?
   [ "$rc" -eq 0 ] || { FAILED="$FAILED $name(rc=$rc)"; echo "=== $name: rc=$rc"; }
 }
@@ -30,12 +38,14 @@ main() {
   $PY -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
   $PY -c "import numpy; print('numpy', numpy.__version__)" || echo "numpy: missing (UVA views need it)"
   run "offload-env" 30 $PY -m offload env
-  run "gpu-tier" 220 $PY -m pytest -q -rfE --durations=10 -p no:cacheprovider -W "$NUMPY_FILTER" tests/gpu
+  run "gpu-tier" 220 "${PYTEST[@]}" -q -rfE --durations=10 -p no:cacheprovider -W "$NUMPY_FILTER" \
+    --junitxml="$JUNIT_DIR/gpu_tier.xml" tests/gpu
   run "bench_prefetch" 150 $PY benchmarks/bench_prefetch.py
   run "bench_uva" 100 $PY benchmarks/bench_uva.py
   run "demo-cuda" 40 $PY -m offload demo --device cuda --layers 16 --hidden 2048 --tokens 256
   if [ "${1:-}" = "--all" ]; then
-    run "cpu-tiers" 600 $PY -m pytest -q -p no:cacheprovider -W "$NUMPY_FILTER" tests --ignore=tests/gpu
+    run "cpu-tiers" 600 "${PYTEST[@]}" -q -p no:cacheprovider -W "$NUMPY_FILTER" \
+      --junitxml="$JUNIT_DIR/cpu_tiers.xml" tests --ignore=tests/gpu
   fi
   echo
   if [ -n "$FAILED" ]; then echo "=== gpu_check: FAILED:$FAILED"; return 1; fi

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -328,3 +329,66 @@ def test_capture_env_rejects_a_junk_switch_naming_it() -> None:
         capture_env({"OFFLOAD_DISABLE_UVA": "maybe"})
     assert caught.value.name == "OFFLOAD_DISABLE_UVA"
     assert caught.value.value == "maybe"
+
+
+class CFunction:
+    """A Python callable that takes ``argtypes`` and ``restype`` as a ctypes function does."""
+
+    def __init__(self, body: Callable[..., int]) -> None:
+        self.body = body
+        self.argtypes: tuple[type, ...] | None = None
+        self.restype: type | None = None
+
+    def __call__(self, *args: Any) -> int:
+        return self.body(*args)
+
+
+class FakeLibcudart:
+    """A stand-in for libcudart: ``cudaDeviceGetAttribute`` fails for codes in `failing`
+    (leaving a sticky "last error" as CUDA does) and answers 1 otherwise;
+    ``cudaGetLastError`` returns and clears that error."""
+
+    _name = "fake-libcudart.so"
+
+    def __init__(self, failing: frozenset[int]) -> None:
+        self.failing = failing
+        self.last_error = 0
+        self.cleared: list[int] = []
+        self.cudaDeviceGetAttribute = CFunction(self._get_attribute)  # noqa: N815  # CUDA's name
+        self.cudaGetLastError = CFunction(self._get_last_error)  # noqa: N815  # CUDA's name
+
+    def _get_attribute(self, value: Any, code: int, device: int) -> int:
+        if code in self.failing:
+            self.last_error = 1  # cudaErrorInvalidValue
+            return 1
+        value._obj.value = 1
+        return 0
+
+    def _get_last_error(self) -> int:
+        error, self.last_error = self.last_error, 0
+        self.cleared.append(error)
+        return error
+
+
+def test_a_failed_attribute_read_clears_cudas_last_error() -> None:
+    """Before the fix the error stayed set, for torch to report at the next kernel launch."""
+    library = FakeLibcudart(frozenset({ATTR_PAGEABLE_USES_HOST_PAGE_TABLES}))
+    probe = TorchCudaProbe(proc(), open_library=lambda _read: library)
+    assert probe.attribute(ATTR_CAN_MAP_HOST_MEMORY) == 1
+    assert library.cleared == []  # nothing to clear after a success
+    with pytest.raises(ProbeError, match="cudaError 1"):
+        probe.attribute(ATTR_PAGEABLE_USES_HOST_PAGE_TABLES)
+    assert library.last_error == 0
+    assert library.cleared == [1]
+
+
+def test_a_library_without_cuda_get_last_error_still_reads_attributes() -> None:
+    class Minimal:
+        _name = "minimal.so"
+
+        def __init__(self) -> None:
+            self.cudaDeviceGetAttribute = CFunction(lambda value, code, device: 2)  # noqa: N815  # CUDA's name
+
+    probe = TorchCudaProbe(proc(), open_library=lambda _read: Minimal())
+    with pytest.raises(ProbeError, match="cudaError 2"):
+        probe.attribute(ATTR_CAN_MAP_HOST_MEMORY)

@@ -1,26 +1,70 @@
-"""The prefetch wait and start as `torch.library` custom ops, so torch.compile keeps them.
+"""The prefetch wait and start as `torch.library` custom ops, so torch.compile keeps them
+and orders every read of a static buffer after the op that fills it.
 
-Each op declares the layer's activation as mutated. The compiler cannot see what the ops
-do (they wait for, or issue, copies into the static buffers the layer's weights live in),
-so without that declaration it would be free to move them across the layer's kernels. The
-fake implementations do nothing: the ops return nothing and change no metadata.
+The compiler cannot see what the ops do (they wait for, or issue, copies into the static
+buffers the layers' weights live in), so each op declares what it changes:
+
+- `wait_prefetch` mutates the layer's activation (ordering it after the previous layer's
+  ops) and the layer's parameters, i.e. its slot tensors: every later read of a weight
+  then reads the op's result, so no kernel that uses only weights (int8 dequantisation,
+  a weight transpose) can be scheduled above the wait, whatever order inductor picks.
+- `start_prefetch` mutates the output the layer produced and the parameters of the layer
+  whose copy it issues (the slot that copy overwrites): every read of that slot by the
+  layer that just ran is ordered before the op, so the copy cannot overtake it.
+
+Under the eager path and inductor (which re-inplaces the ops, see
+`torch/_inductor/fx_passes/reinplace.py`), the ops receive the parameters themselves and
+only wait or issue copies. A compile path that functionalises without re-inplacing
+(``backend="aot_eager"``) hands the ops fresh copies of the parameters and writes the
+copies' final values back into the parameters after the graph. The ops then keep their
+promise literally: the wait copies the layer's weights into what it was handed, and the
+start lets its copy land first (`sync_prev_onload`) and copies the result, so the
+write-back puts back exactly what the buffers hold. That is correct and slow (a debugging
+backend); it is logged once, and it cannot run inside a CUDA graph capture.
+
+CUDA graph trees (``torch.compile(mode="reduce-overhead")``). The ops carry
+``torch.Tag.cudagraph_unsafe`` where the installed torch has it: inductor then runs them
+outside its CUDA graphs (with graph partitioning, the default, it captures the kernels
+between them; without it, it skips CUDA graphs for that graph and logs why). They must
+not be captured by cudagraph trees, whose warm-up and re-recording would issue and wait
+for copies the executor cannot account for. Capturing a whole forward is
+`offload.graphs.capture_forward`'s job.
 
 An offloader registers itself under an integer handle; the ops find it by that handle at
-run time. Handles are plain ints so they trace as constants.
+run time. Handles are plain ints so they trace as constants. The fake implementations
+do nothing: the ops return nothing and change no metadata.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from offload.errors import ExecutionError
 
-__all__ = ["PrefetchTarget", "register", "start_prefetch", "unregister", "wait_prefetch"]
+__all__ = [
+    "OPS_TAGS",
+    "NO_LAYER",
+    "PrefetchTarget",
+    "SlotTensors",
+    "bind_slots",
+    "bound_slots",
+    "register",
+    "start_prefetch",
+    "unregister",
+    "wait_prefetch",
+]
+
+log = logging.getLogger(__name__)
+
+#: `start_prefetch`'s ``target`` when the schedule names no copy after the layer.
+NO_LAYER = -1
 
 
 class PrefetchTarget(Protocol):
@@ -34,12 +78,31 @@ class PrefetchTarget(Protocol):
         """Issue the copy the schedule names after the layer's forward."""
         ...
 
+    def sync_prev_onload(self) -> None:
+        """Block until every copy issued so far is done."""
+        ...
+
+
+#: A layer index -> that layer's tensors, exactly as the executor hands them to the ops
+#: (same order): the parameters whose data are slot buffers.
+SlotTensors = Callable[[int], Sequence[torch.Tensor]]
 
 # Weak: the model's patched forwards keep an offloader alive; the registry must not keep
-# one alive after its model is gone.
+# one alive after its model is gone. The slot resolvers hold their offloader weakly.
 _targets: weakref.WeakValueDictionary[int, PrefetchTarget] = weakref.WeakValueDictionary()
+_slots: dict[int, SlotTensors] = {}
+_copied_once: set[int] = set()  # handles whose ops were handed copies (logged once)
 _handles = itertools.count(1)
 _lock = threading.Lock()
+
+
+def _tags() -> tuple[torch.Tag, ...]:
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)  # torch >= 2.8
+    return (tag,) if isinstance(tag, torch.Tag) else ()
+
+
+#: The tags both ops carry: ``cudagraph_unsafe`` when this torch defines it.
+OPS_TAGS: tuple[torch.Tag, ...] = _tags()
 
 
 def register(target: PrefetchTarget) -> int:
@@ -50,10 +113,24 @@ def register(target: PrefetchTarget) -> int:
     return handle
 
 
+def bind_slots(handle: int, slots: SlotTensors) -> None:
+    """Tell the ops where the real slot tensors of `handle`'s layers are, so that they can
+    tell when a compile path handed them copies (see the module docstring)."""
+    with _lock:
+        _slots[handle] = slots
+
+
+def bound_slots(handle: int) -> SlotTensors | None:
+    """What `bind_slots` bound to `handle`, if anything."""
+    return _slots.get(handle)
+
+
 def unregister(handle: int) -> None:
     """Forget a handle (restore); calls with it afterwards raise `ExecutionError`."""
     with _lock:
         _targets.pop(handle, None)
+        _slots.pop(handle, None)
+        _copied_once.discard(handle)
 
 
 def _target(handle: int) -> PrefetchTarget:
@@ -68,23 +145,90 @@ def _target(handle: int) -> PrefetchTarget:
     return target
 
 
-@torch.library.custom_op("offload::wait_prefetch", mutates_args=("activation",))
-def wait_prefetch(activation: torch.Tensor, handle: int, layer: int) -> None:
-    """Before an offloaded layer runs: wait until its weights are in their buffers."""
+def _same_memory(given: torch.Tensor, actual: torch.Tensor) -> bool:
+    return given.numel() == 0 or (given.data_ptr() == actual.data_ptr() and given.device == actual.device)
+
+
+def _copies_handed(handle: int, layer: int, given: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (handed copy, real slot tensor) pairs where the compiler handed the op a copy
+    instead of the slot tensor itself; empty on the eager and re-inplaced paths."""
+    slots = _slots.get(handle)
+    if slots is None or not given:
+        return []
+    actual = slots(layer)
+    if len(actual) != len(given):
+        raise ExecutionError(
+            f"offloaded layer {layer}: the op was handed {len(given)} weight tensors, the layer has "
+            f"{len(actual)} (the model changed after it was compiled; compile it again)",
+            name="layer", value=layer,
+        )
+    pairs = [(g, a) for g, a in zip(given, actual, strict=True) if not _same_memory(g, a)]
+    if pairs and handle not in _copied_once:
+        _copied_once.add(handle)
+        log.info("torch.compile handed the prefetch ops copies of the weight buffers (a backend that "
+                 "does not re-inplace, such as aot_eager): weights are copied into them and each "
+                 "prefetch is waited for at once; correct, but slow")
+    return pairs
+
+
+@torch.library.custom_op("offload::wait_prefetch", mutates_args=("activation", "weights"), tags=OPS_TAGS)
+def wait_prefetch(activation: torch.Tensor, weights: list[torch.Tensor], handle: int, layer: int) -> None:
+    """Before an offloaded layer runs: wait until its weights are in their buffers.
+
+    Args:
+        activation: the layer's input (ordering only).
+        weights: the layer's slot tensors (its offloaded parameters), as `bind_slots` says.
+        handle: the offloader's handle.
+        layer: the layer's index.
+    """
     _target(handle).wait_layer(layer)
+    for given, actual in _copies_handed(handle, layer, weights):
+        given.copy_(actual)
 
 
 @wait_prefetch.register_fake
-def _wait_prefetch_fake(activation: torch.Tensor, handle: int, layer: int) -> None:
+def _wait_prefetch_fake(activation: torch.Tensor, weights: list[torch.Tensor], handle: int, layer: int) -> None:
     return None
 
 
-@torch.library.custom_op("offload::start_prefetch", mutates_args=("activation",))
-def start_prefetch(activation: torch.Tensor, handle: int, layer: int) -> None:
-    """After an offloaded layer ran: issue the copy the schedule names next."""
-    _target(handle).start_after_layer(layer)
+@torch.library.custom_op("offload::start_prefetch", mutates_args=("activation", "weights"), tags=OPS_TAGS)
+def start_prefetch(activation: torch.Tensor, weights: list[torch.Tensor], handle: int, layer: int,
+                   target: int) -> None:
+    """After an offloaded layer ran: issue the copy the schedule names next.
+
+    Args:
+        activation: the layer's output (ordering only).
+        weights: the slot tensors that copy overwrites (the parameters of layer `target`).
+        handle: the offloader's handle.
+        layer: the layer that ran.
+        target: the layer whose weights the copy brings, or `NO_LAYER`.
+
+    Raises:
+        ExecutionError: handed copies (see the module docstring) inside a CUDA graph capture.
+    """
+    offloader = _target(handle)
+    offloader.start_after_layer(layer)
+    if target == NO_LAYER:
+        return
+    pairs = _copies_handed(handle, target, weights)
+    if not pairs:
+        return
+    try:
+        offloader.sync_prev_onload()
+    except ExecutionError:
+        raise
+    except RuntimeError as exc:
+        raise ExecutionError(
+            "this torch.compile backend functionalises the prefetch ops without re-inplacing them "
+            "(e.g. aot_eager), which needs a synchronisation that a CUDA graph capture forbids: "
+            "compile with inductor (the default) or run the model eagerly",
+            name="layer", value=layer,
+        ) from exc
+    for given, actual in pairs:
+        given.copy_(actual)
 
 
 @start_prefetch.register_fake
-def _start_prefetch_fake(activation: torch.Tensor, handle: int, layer: int) -> None:
+def _start_prefetch_fake(activation: torch.Tensor, weights: list[torch.Tensor], handle: int, layer: int,
+                         target: int) -> None:
     return None

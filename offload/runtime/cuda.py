@@ -271,14 +271,21 @@ class CudaRuntime:
             self._fold()
 
     def _fold(self) -> None:
-        """Add up the bracketed waits that are done, oldest first; keep the rest."""
+        """Add up the bracketed waits that are done, oldest first; keep the rest.
+
+        Not while the current stream captures a CUDA graph: ``cudaEventQuery`` is not
+        permitted during a (global-mode) capture and would invalidate it, so the waits
+        stay unfolded until the next call outside the capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return
         while self._timed and self._timed[0][1].query():  # type: ignore[no-untyped-call]  # unannotated in torch
             before, after = self._timed.pop(0)
             self._waited_ms += before.elapsed_time(after)
 
     def waited_seconds(self) -> float:
         """Seconds the compute stream stood still in `wait` (outside captures), over the
-        waits the device has finished; never blocks."""
+        waits the device has finished; never blocks, and queries nothing during a CUDA
+        graph capture (it then reports what was added up before it)."""
         self._fold()
         return self._waited_ms / 1e3
 

@@ -144,6 +144,10 @@ def test_device_memory_freed_matches_the_plan(uva: bool) -> None:
     plan = plan_for(model, uva=uva)
     expected = plan.device_bytes_freed
     assert expected > 0 and plan.device_bytes_buffers == 0
+    # The first GEMM on a stream makes cuBLAS allocate its workspace (32 MiB on Hopper)
+    # through the caching allocator, so it counts in memory_allocated. Run one forward of
+    # the resident model first: the baseline then holds the workspace, whatever ran before.
+    model(next(gpu_inputs(seed=3, count=1)))
     off, before, freed = measure_freed(lambda: offload(model, plan))
     assert abs(freed - expected) <= 0.01 * expected, (freed, expected)
     model(next(gpu_inputs(seed=3, count=1)))
