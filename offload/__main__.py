@@ -2,6 +2,10 @@
 
 import sys
 
-from offload.cli import main
+try:
+    from offload.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the command line was still being imported
+    print("offload: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

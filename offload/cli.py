@@ -2,8 +2,10 @@
 ``offload load``.
 
 User errors (a junk environment variable, a bad flag value, a missing or corrupt
-checkpoint) exit with status 2 and one line on stderr naming what was wrong; nothing the
-user can cause prints a traceback.
+checkpoint, a number out of range) exit with status 2 and one line on stderr naming the
+flag and the value, escaped to stay one line whatever the names contain; so do torch
+failures in the demo and in `load`'s forward. Ctrl-C exits with status 130 and one line.
+Nothing the user can cause prints a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, NoReturn, TextIO
 
 import attrs
 
-from offload.errors import OffloadError
+from offload.errors import ConfigError, ExecutionError, OffloadError
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
@@ -38,16 +40,19 @@ from offload.pure.profiles import (
     profile_from_numbers,
 )
 from offload.pure.render import render_plan
+from offload.pure.safetensors import printable
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
-from offload.pure.units import GIB, format_bytes
+from offload.pure.units import format_bytes, gib_to_bytes
 from offload.stats import OffloadStats
 
-__all__ = ["DEFAULT_PREFETCH", "LOAD_PREFETCH", "build_parser", "main"]
+__all__ = ["DEFAULT_PREFETCH", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "LOAD_PREFETCH", "build_parser", "main", "one_line"]
 
 log = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
+#: The status of a command stopped by Ctrl-C (SIGINT), as shells report it: 128 + 2.
+EXIT_INTERRUPTED = 130
 
 #: The plan `offload plan` makes when no offload flag is given:
 #: prefetch, group size 4, one offloaded layer per group, depth 2.
@@ -70,31 +75,72 @@ class _Parser(argparse.ArgumentParser):
         raise _UserError(f"{self.prog}: {message} (see --help)")
 
 
+def _shown(text: str) -> str:
+    """`text` quoted for a one-line message, cut when long."""
+    return repr(text) if len(text) <= 40 else f"{text[:24]!r}... ({len(text)} characters)"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if text.strip().lstrip("+-").isdigit():  # past sys.get_int_max_str_digits()
+            raise argparse.ArgumentTypeError(f"{_shown(text)} has too many digits") from None
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a whole number") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is negative")
     return value
 
 
 def _tokens(text: str) -> int:
     value = _positive_int(text)
     if value == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not at least 1")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not at least 1")
+    try:
+        Workload(tokens_per_step=value)  # the estimate's own bound
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{_shown(text)}: {exc.message}") from None
     return value
 
 
-def _gib(text: str) -> float:
+def _number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative, finite number of GiB")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a finite number")
     return value
+
+
+def _gib(text: str, *, allow_zero: bool = True) -> float:
+    """A size in GiB: 0, or from 1 byte to 2**60 bytes once rounded to whole bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a number of GiB") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a non-negative, finite number of GiB")
+    try:
+        gib_to_bytes(value, name="the value", allow_zero=allow_zero)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return value
+
+
+def _positive_gib(text: str) -> float:
+    """A size in GiB from 1 byte to 2**60 bytes; 0 is let through for the command to
+    refuse naming its flag (``--device-gib must be greater than 0``)."""
+    try:
+        zero = float(text) == 0
+    except ValueError:
+        zero = False  # _gib says what is wrong with it
+    return 0.0 if zero else _gib(text, allow_zero=False)
+
+
+def _bytes(gib: float) -> int:
+    """A `_gib` flag's value in bytes (already checked, so this cannot fail)."""
+    return gib_to_bytes(gib)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,19 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--filter", nargs="+", action="extend", default=[], metavar="SEG",
                       help="only offload parameters whose names contain one of these dotted segments "
                       "(repeatable; a last word after a segment that is a preset or an existing path is SOURCE)")
-    plan.add_argument("--device-gib", type=_gib,
+    plan.add_argument("--device-gib", type=_positive_gib,
                       help="plan for a CUDA device of this many GiB instead of this machine")
     plan.add_argument("--params", action="store_true", help="one row per parameter")
     plan.add_argument("--json", action="store_true",
                       help="print the plan as JSON (OffloadPlan.from_json reads it); with --fit-gib, the fit result")
-    plan.add_argument("--fit-gib", type=_gib,
+    plan.add_argument("--fit-gib", type=_positive_gib,
                       help="choose the fastest configuration whose device bytes fit this budget (needs a profile)")
     plan.add_argument("--reserve-gib", type=_gib, default=0.0,
                       help="with --fit-gib: device GiB kept for activations and caches (default 0)")
     plan.add_argument("--tokens", type=_tokens, default=1, help="tokens per step for the estimate (default 1)")
     plan.add_argument("--profile", choices=sorted(PROFILES), help="the target device's speeds, for the estimate")
-    plan.add_argument("--link-gbps", type=_gib, help="measured pinned host-to-device GB/s (overrides the profile's)")
-    plan.add_argument("--tflops", type=_gib, help="achieved dense bf16 TFLOP/s (overrides the profile's)")
+    plan.add_argument("--link-gbps", type=_number, help="measured pinned host-to-device GB/s (overrides the profile's)")
+    plan.add_argument("--tflops", type=_number, help="achieved dense bf16 TFLOP/s (overrides the profile's)")
 
     demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")
     demo.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default: auto (CUDA if available)")
@@ -153,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--uva-gib", type=_gib, help="uva: GiB of parameters to offload")
     load.add_argument("--filter", action="append", default=[], metavar="SEG",
                       help="only offload parameters whose names contain this dotted segment (repeatable)")
-    load.add_argument("--fit-gib", type=_gib,
+    load.add_argument("--fit-gib", type=_positive_gib,
                       help="choose the fastest configuration whose device bytes fit this budget "
                       "(default with CUDA: the device's memory)")
     load.add_argument("--reserve-gib", type=_gib,
@@ -191,7 +237,7 @@ def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
         "group_size": args.group_size,
         "num_in_group": args.num_in_group,
         "prefetch_step": args.prefetch_step,
-        "uva_max_bytes": None if args.uva_gib is None else round(args.uva_gib * GIB),
+        "uva_max_bytes": None if args.uva_gib is None else _bytes(args.uva_gib),
     }
     given = {k: v for k, v in chosen.items() if v is not None}
     if not given:
@@ -218,7 +264,6 @@ def _source(name: str, *, counted: str) -> _Source:
     line about those bytes (whether the output below counts them)."""
     if os.path.exists(name):
         from offload.checkpoint import read_checkpoint
-        from offload.pure.safetensors import printable
 
         result = read_checkpoint(name)
         details = [
@@ -259,7 +304,7 @@ def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
     platform = Platform(
         has_cuda=True,
         device_name="planned CUDA device",
-        device_total_bytes=round(args.device_gib * GIB),
+        device_total_bytes=_bytes(args.device_gib),
         can_map_host_memory=True,
         can_register_host_memory=True,
         host_pointer_for_registered_memory=True,
@@ -275,7 +320,13 @@ def _profile(args: argparse.Namespace) -> DeviceProfile | None:
     if args.link_gbps is not None or args.tflops is not None:
         if profile is None and (args.link_gbps is None or args.tflops is None):
             raise _UserError("offload plan: without --profile, give both --link-gbps and --tflops")
-        profile = profile_from_numbers(link_gbps=args.link_gbps, tflops=args.tflops, base=profile)
+        try:
+            profile = profile_from_numbers(link_gbps=args.link_gbps, tflops=args.tflops, base=profile)
+        except ConfigError as exc:
+            flag = {"link_gbps": "--link-gbps", "tflops": "--tflops"}.get(exc.name or "")
+            if flag is None:
+                raise
+            raise _UserError(f"offload plan: {flag}: {exc.message}") from None
     return profile
 
 
@@ -289,7 +340,9 @@ def _cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         raise _UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
     source = _source(args.source, counted="counted in the fit")
     spec = source.spec
-    budget = round(args.fit_gib * GIB)
+    if args.fit_gib == 0:
+        raise _UserError("offload plan: --fit-gib must be greater than 0")
+    budget = _bytes(args.fit_gib)
     env = _planning_env(args)
     if not env.platform.has_cuda:
         # Planning for the profile's device from a machine without one: the budget is the
@@ -297,7 +350,7 @@ def _cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
     result = fit(
         spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
-        outside_bytes=source.outside_bytes, reserve_bytes=round(args.reserve_gib * GIB),
+        outside_bytes=source.outside_bytes, reserve_bytes=_bytes(args.reserve_gib),
         param_filter=tuple(args.filter),
     )
     if args.json:
@@ -397,10 +450,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo, summarize
 
     env = _capture()
-    result = run_demo(
-        env=env, device=args.device, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
-        backend=args.backend, progress=lambda line: print(f"... {line}", flush=True),
-    )
+    try:
+        result = run_demo(
+            env=env, device=args.device, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
+            backend=args.backend, progress=lambda line: print(f"... {line}", flush=True),
+        )
+    except ConfigError as exc:
+        if exc.name not in ("layers", "hidden", "tokens"):
+            raise
+        raise _UserError(f"offload demo: --{exc.name}: {exc.message}") from None
     print()
     print(render_plan(result.plan))
     print()
@@ -427,7 +485,7 @@ def _load_request(args: argparse.Namespace, has_cuda: bool) -> tuple[OffloadConf
             raise _UserError(f"offload load: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
         if args.fit_gib == 0:
             raise _UserError("offload load: --fit-gib must be greater than 0")
-        return None, round(args.fit_gib * GIB), f"fit to {format_bytes(round(args.fit_gib * GIB))} of device memory"
+        return None, _bytes(args.fit_gib), f"fit to {format_bytes(_bytes(args.fit_gib))} of device memory"
     if chosen or not has_cuda:
         if fitting_flags:
             verb = "applies" if len(fitting_flags) == 1 else "apply"
@@ -435,7 +493,7 @@ def _load_request(args: argparse.Namespace, has_cuda: bool) -> tuple[OffloadConf
                              + (f" instead of {', '.join(chosen)}" if chosen else ""))
         config = (OffloadConfig(backend=args.backend or "auto", group_size=args.group_size or 0,
                                 num_in_group=args.num_in_group or 1, prefetch_step=args.prefetch_step or 1,
-                                uva_max_bytes=0 if args.uva_gib is None else round(args.uva_gib * GIB),
+                                uva_max_bytes=0 if args.uva_gib is None else _bytes(args.uva_gib),
                                 param_filter=tuple(args.filter))
                   if chosen else attrs.evolve(LOAD_PREFETCH, param_filter=tuple(args.filter)))
         return config, None, "as given" if chosen else (
@@ -464,7 +522,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
             model, offloader = offload_pretrained(
                 args.directory, config, device_budget_bytes=budget, env=env,
                 dtype=None if args.dtype is None else getattr(torch, args.dtype),
-                reserve_bytes=round((args.reserve_gib or 0.0) * GIB),
+                reserve_bytes=_bytes(args.reserve_gib or 0.0),
                 profile=profile_by_name(args.profile) if args.profile else None)
         except OffloadError:
             raise
@@ -472,22 +530,30 @@ def _cmd_load(args: argparse.Namespace) -> int:
             if args.verbose >= 2:
                 raise
             lines = str(exc).strip().splitlines()
-            raise _UserError(f"offload load: {args.directory}: loading failed: {type(exc).__name__}: "
+            raise _UserError(f"offload load: {printable(args.directory)}: loading failed: {type(exc).__name__}: "
                              f"{lines[0] if lines else ''} (-vv for the traceback)") from None
     seconds = time.monotonic() - start
     plan = offloader.plan
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"model:    {type(model).__name__} from {args.directory}: {format_bytes(nbytes)}, loaded and offloaded "
+    print(f"model:    {type(model).__name__} from {printable(args.directory)}: {format_bytes(nbytes)}, loaded and offloaded "
           f"in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
     print(f"config:   {how}")
     print(f"plan:     {_plan_summary(plan, _outside_bytes(model))}")
     if not env.platform.has_cuda:
         print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
-    ids = torch.randint(0, int(getattr(model.config, "vocab_size", 2)), (1, args.tokens),
-                        device=torch.device(plan.compute_device))
     start = time.monotonic()
-    with torch.inference_mode():
-        output = model(input_ids=ids)[0]
+    try:
+        ids = torch.randint(0, int(getattr(model.config, "vocab_size", 2)), (1, args.tokens),
+                            device=torch.device(plan.compute_device))
+        with torch.inference_mode():
+            output = model(input_ids=ids)[0]
+    except (OffloadError, RuntimeError, MemoryError) as exc:  # out of memory, a kernel refusing the input
+        offloader.restore()  # give the weights back before saying why
+        if isinstance(exc, OffloadError):
+            raise
+        lines = str(exc).strip().splitlines()
+        raise ExecutionError(f"the forward of {args.tokens} tokens failed: {type(exc).__name__}: "
+                             f"{lines[0] if lines else ''}", name="tokens", value=args.tokens) from exc
     print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
           f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
     print(f"stats:    {_stats_summary(offloader.stats())}")
@@ -574,6 +640,20 @@ def _restore_and_check(model: Any, offloader: Any) -> int:
     return 0
 
 
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (a newline, a carriage return,
+    another control character) written as its escape, so that it is one line whatever the
+    names in it contain."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def _say(text: str) -> None:
+    """Write `text` to stderr as one line."""
+    print(one_line(text), file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
@@ -595,11 +675,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_load(args)
         return _cmd_plan(args)
     except _UserError as exc:
-        print(str(exc), file=sys.stderr)
+        _say(str(exc))
         return EXIT_USER_ERROR
     except OffloadError as exc:
-        print(f"offload: error: {exc.message}", file=sys.stderr)
+        _say(f"offload: error: {exc.message}")
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        # Ctrl-C: the `finally` blocks on the way out have run; a traceback adds nothing.
+        _say("offload: interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # `offload plan | head`: the reader left; that is not an error of ours.
         sys.stderr.close()

@@ -21,19 +21,30 @@ from torch import nn
 
 from offload.create import create_offloader
 from offload.describe import describe_layers
-from offload.errors import ConfigError, ExecutionError
+from offload.errors import ConfigError, ExecutionError, OffloadError
 from offload.pure.config import OffloadConfig
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.planner import make_plan
+from offload.pure.units import format_bytes
 from offload.stats import OffloadStats
 
-__all__ = ["DemoBlock", "DemoResult", "build_demo_model", "run_demo"]
+__all__ = ["DEMO_LIMITS", "DemoBlock", "DemoResult", "build_demo_model", "demo_memory_bytes", "run_demo"]
 
 log = logging.getLogger(__name__)
 
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 BackendChoice = Literal["prefetch", "uva"]
+
+#: (smallest, largest) of each size `run_demo` takes. The largest are far beyond a demo
+#: (one block of width 65536 holds 51.5 Gi parameters) and keep every size torch is
+#: asked for representable; whether the sizes fit this machine is checked separately.
+DEMO_LIMITS: Mapping[str, tuple[int, int]] = {
+    "layers": (1, 4096),
+    "hidden": (64, 65536),
+    "tokens": (1, 1 << 20),
+    "steps": (1, 10_000),
+}
 
 
 class DemoBlock(nn.Module):
@@ -65,6 +76,45 @@ class DemoBlock(nn.Module):
         x = x + self.out(attended.transpose(1, 2).reshape(batch, tokens, hidden))
         result: torch.Tensor = x + self.down(nn.functional.gelu(self.up(self.mlp_norm(x))))
         return result
+
+
+def demo_memory_bytes(layers: int, hidden: int, tokens: int, steps: int, itemsize: int) -> tuple[int, int]:
+    """What the demo holds at its peak, in bytes: (weights, activations).
+
+    Weights: ``layers x (12 hidden**2 + 13 hidden)`` parameters (`DemoBlock`). Activations:
+    the inputs and both runs' outputs (``3 x steps x tokens x hidden``) plus the
+    intermediates of one block (about ``16 x tokens x hidden``).
+    """
+    weights = layers * (12 * hidden * hidden + 13 * hidden) * itemsize
+    activations = (3 * steps + 16) * tokens * hidden * itemsize
+    return weights, activations
+
+
+def _check_sizes(env: EnvSnapshot, target: torch.device, itemsize: int, sizes: Mapping[str, int]) -> None:
+    """Refuse, before building anything, sizes out of `DEMO_LIMITS` or larger than the
+    memory this machine reports (the device's on CUDA, the host's available memory on
+    the CPU, where it is known)."""
+    for name, value in sizes.items():
+        low, high = DEMO_LIMITS[name]
+        if not low <= value <= high:
+            shown = value if value.bit_length() < 200 else f"an integer of {value.bit_length()} bits"
+            raise ConfigError(f"{name} must be from {low} to {high}, got {shown}", name=name, value=value)
+    if sizes["hidden"] % 64:
+        raise ConfigError(f"hidden must be a multiple of 64, got {sizes['hidden']}", name="hidden", value=sizes["hidden"])
+    weights, activations = demo_memory_bytes(sizes["layers"], sizes["hidden"], sizes["tokens"], sizes["steps"],
+                                             itemsize)
+    # On the CPU the model, its reference copy and the host copies are all host memory;
+    # on CUDA the model and its reference copy are on the device.
+    if target.type == "cuda":
+        need, have, where = 2 * weights + activations, env.platform.device_total_bytes or None, "device memory"
+    else:
+        need, have, where = 3 * weights + activations, env.platform.host_available_bytes, "available host memory"
+    if have is not None and need > have:
+        name = "hidden" if weights >= activations else "tokens"
+        raise ConfigError(
+            f"layers {sizes['layers']}, hidden {sizes['hidden']} and tokens {sizes['tokens']} need about "
+            f"{format_bytes(need)} of {where} for the demo, more than the {format_bytes(have)} there is; "
+            "use fewer layers, a smaller hidden or fewer tokens", name=name, value=sizes[name])
 
 
 def build_demo_model(layers: int, hidden: int, *, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Sequential:
@@ -160,19 +210,44 @@ def run_demo(
         progress: called with a line for each stage (the CLI prints them).
 
     Raises:
-        ConfigError: a size is out of range.
-        ExecutionError: CUDA was asked for and is not available, or execution failed.
+        ConfigError: a size is out of `DEMO_LIMITS`, or the sizes need more memory than
+            the platform reports (checked before anything is built); names the size.
+        ExecutionError: CUDA was asked for and is not available, or execution failed
+            (a torch RuntimeError or MemoryError, such as running out of memory, is
+            wrapped, naming the stage it failed in).
     """
-    for name, value, minimum in (("layers", layers, 1), ("hidden", hidden, 64), ("tokens", tokens, 1), ("steps", steps, 1)):
-        if value < minimum:
-            raise ConfigError(f"{name} must be at least {minimum}, got {value}", name=name, value=value)
-    if hidden % 64:
-        raise ConfigError(f"hidden must be a multiple of 64, got {hidden}", name="hidden", value=hidden)
+    for name, value in (("layers", layers), ("hidden", hidden), ("tokens", tokens), ("steps", steps)):
+        if value < (low := DEMO_LIMITS[name][0]):
+            raise ConfigError(f"{name} must be at least {low}, got {value}", name=name, value=value)
     target = _pick_device(device)
     if target.type == "cpu" and env.platform.has_cuda:
-        env = attrs.evolve(env, platform=Platform(torch_version=env.platform.torch_version))
+        env = attrs.evolve(env, platform=Platform(torch_version=env.platform.torch_version,
+                                                  host_total_bytes=env.platform.host_total_bytes,
+                                                  host_available_bytes=env.platform.host_available_bytes))
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
+    _check_sizes(env, target, torch.empty((), dtype=dtype).element_size(),
+                 {"layers": layers, "hidden": hidden, "tokens": tokens, "steps": steps})
+    stage = ["starting"]
 
+    def report(line: str) -> None:
+        stage[0] = line
+        progress(line)
+
+    try:
+        return _run(env=env, target=target, dtype=dtype, layers=layers, hidden=hidden, tokens=tokens,
+                    config=config, backend=backend, steps=steps, progress=report)
+    except OffloadError:
+        raise
+    except (RuntimeError, MemoryError) as exc:  # torch failing: out of memory, a kernel refusing
+        lines = str(exc).strip().splitlines()
+        raise ExecutionError(f"the demo failed while {stage[0]}: {type(exc).__name__}: {lines[0] if lines else ''}",
+                             name="demo", value=stage[0]) from exc
+
+
+def _run(*, env: EnvSnapshot, target: torch.device, dtype: torch.dtype, layers: int, hidden: int, tokens: int,
+         config: OffloadConfig | None, backend: BackendChoice, steps: int,
+         progress: Callable[[str], None]) -> DemoResult:
+    """`run_demo`'s work, after its checks."""
     progress(f"building {layers} blocks of width {hidden} ({dtype}) on {target}")
     model = build_demo_model(layers, hidden, device=target, dtype=dtype)
     if config is None and backend == "uva":

@@ -27,17 +27,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from offload.errors import ConfigError, PlanError
-from offload.pure._checks import int_at_least, positive_number
+from offload.pure._checks import check_int_at_least, is_int, positive_number
 from offload.pure.plan import OffloadPlan, Placement
 from offload.pure.profiles import DeviceProfile
 from offload.pure.schedule import PrefetchSchedule
 from offload.pure.serialize import to_data
 
 __all__ = [
+    "MAX_TOKENS_PER_STEP",
     "LayerEstimate",
     "StepEstimate",
     "Workload",
@@ -49,6 +51,26 @@ __all__ = [
 _MAX_PASSES = 48
 _MAX_PERIOD = 4
 _REL_TOL = 1e-9
+#: The most tokens one step may process: 2**40, beyond any batch, and small enough that
+#: 2 x parameters x tokens stays a finite float for any model up to 2**60 bytes.
+MAX_TOKENS_PER_STEP = 1 << 40
+
+
+def _tokens(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_int_at_least(attribute.name, value, 1, ConfigError)
+    if is_int(value) and value > MAX_TOKENS_PER_STEP:
+        raise ConfigError(f"{attribute.name} must be an integer from 1 to {MAX_TOKENS_PER_STEP} (2**40), "
+                          f"got {_short_int(value)}", name=attribute.name, value=value)
+
+
+def _short_int(value: int) -> str:
+    """`value` in decimal, cut to its first 24 digits and a count when longer (``str`` of
+    an int past 4300 digits raises)."""
+    digits = int(value.bit_length() * math.log10(2)) + 1
+    if digits > 4000:
+        return f"an integer of about {digits} digits"
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:24]}... ({len(text)} digits)"
 
 
 @attrs.frozen(kw_only=True)
@@ -56,12 +78,13 @@ class Workload:
     """What one step processes.
 
     Attributes:
-        tokens_per_step: tokens in one forward pass (batch x sequence), >= 1.
+        tokens_per_step: tokens in one forward pass (batch x sequence), from 1 to
+            `MAX_TOKENS_PER_STEP` (2**40).
         resident_step_seconds: a measured step time with every weight resident, seconds;
             when given it replaces the profile's FLOP-based compute time.
     """
 
-    tokens_per_step: int = attrs.field(default=1, validator=int_at_least(1, ConfigError))
+    tokens_per_step: int = attrs.field(default=1, validator=_tokens)
     resident_step_seconds: float | None = attrs.field(
         default=None, validator=positive_number(ConfigError, optional=True)
     )

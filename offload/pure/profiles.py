@@ -13,17 +13,20 @@ it scales the datasheet peak by the fractions below and says so in its comment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import attrs
 
 from offload.errors import ConfigError
-from offload.pure._checks import check_positive_number, fraction, int_at_least, is_str, positive_number
+from offload.pure._checks import Validator, fraction, int_at_least, is_str
 from offload.pure.env import EnvSnapshot, Platform
-from offload.pure.units import GIB
+from offload.pure.units import gib_to_bytes
 
 __all__ = [
     "GB",
+    "MAX_RATE",
+    "MIN_RATE",
     "PROFILES",
     "TFLOP",
     "DeviceProfile",
@@ -37,6 +40,36 @@ __all__ = [
 GB = 10**9
 #: FLOP in a teraFLOP.
 TFLOP = 10**12
+#: The range of every rate a profile holds (bytes/s, FLOP/s), zero-copy reads included:
+#: wide enough for any real machine (1e21 is a million times an H200's FLOP/s) and narrow
+#: enough that every estimate from sizes up to 2**60 bytes is finite and non-zero.
+MIN_RATE = 1e-3
+MAX_RATE = 1e21
+
+
+#: The smallest rate `profile_from_numbers` takes, per second: 1 byte/s or 1 FLOP/s, so
+#: that the rates it derives (pageable x 0.15, zero-copy x 0.90) stay above `MIN_RATE`.
+MIN_GIVEN_RATE = 1.0
+
+
+def _check_rate(name: str, value: object, *, unit: float = 1.0, unit_name: str = "per second",
+                minimum: float = MIN_RATE) -> None:
+    """Raise `ConfigError` naming `name` unless ``value x unit`` is a number in
+    [`minimum`, `MAX_RATE`] (bools are not numbers here)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not minimum <= value * unit <= MAX_RATE):
+        raise ConfigError(f"{name} must be a number of {unit_name} from {minimum / unit:g} to {MAX_RATE / unit:g}, "
+                          f"got {value!r}", name=name, value=value)
+
+
+def _rate(*, optional: bool = False) -> Validator:
+    """A validator accepting rates in [`MIN_RATE`, `MAX_RATE`] (and None when `optional`)."""
+
+    def check(_instance: object, attribute: attrs.Attribute[object], value: object) -> None:
+        if not (optional and value is None):
+            _check_rate(attribute.name, value)
+
+    return check
 
 _GEN5 = 63.0  # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b, per direction, GB/s (PCI-SIG)
 _GEN4 = 31.5  # PCIe Gen4 x16: 16 GT/s x 16 lanes, 128b/130b, per direction, GB/s (PCI-SIG)
@@ -77,16 +110,21 @@ class DeviceProfile:
 
     name: str = attrs.field(validator=is_str(ConfigError))
     device_name: str = attrs.field(validator=is_str(ConfigError))
-    pinned_h2d_bytes_per_s: float = attrs.field(validator=positive_number(ConfigError))
-    pageable_h2d_bytes_per_s: float = attrs.field(validator=positive_number(ConfigError))
+    pinned_h2d_bytes_per_s: float = attrs.field(validator=_rate())
+    pageable_h2d_bytes_per_s: float = attrs.field(validator=_rate())
     zero_copy_fraction: float = attrs.field(validator=fraction(ConfigError))
-    bf16_flops_per_s: float = attrs.field(validator=positive_number(ConfigError))
-    weight_read_bytes_per_s: float | None = attrs.field(
-        default=None, validator=positive_number(ConfigError, optional=True)
-    )
+    bf16_flops_per_s: float = attrs.field(validator=_rate())
+    weight_read_bytes_per_s: float | None = attrs.field(default=None, validator=_rate(optional=True))
     device_memory_bytes: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
     coherent_unified_memory: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     source: str = attrs.field(default="", validator=is_str(ConfigError))
+
+    def __attrs_post_init__(self) -> None:
+        # Each factor may be in range while their product is not (1e-3 B/s x 1e-300).
+        if not MIN_RATE <= self.zero_copy_bytes_per_s:
+            raise ConfigError(f"zero_copy_fraction {self.zero_copy_fraction!r} x pinned_h2d_bytes_per_s "
+                              f"{self.pinned_h2d_bytes_per_s!r} is below {MIN_RATE:g} bytes/s",
+                              name="zero_copy_fraction", value=self.zero_copy_fraction)
 
     @property
     def zero_copy_bytes_per_s(self) -> float:
@@ -201,7 +239,8 @@ def profile_from_numbers(
     Every number not given is taken from `base`; without a base, `link_gbps` and `tflops`
     are required, the pageable rate defaults to the pinned rate x `PAGEABLE_RATIO` (the
     6.6x gap measured on PCIe), the zero-copy fraction to 0.90, weight reads to None
-    (compute from FLOPs alone) and device memory to 0 (unknown).
+    (compute from FLOPs alone) and device memory to 0 (unknown). Each rate given must be
+    from 1 to `MAX_RATE` once in bytes/s or FLOP/s (``link_gbps`` from 1e-9 to 1e12).
 
     Args:
         link_gbps: pinned host-to-device copy rate, GB/s (10**9 bytes/s).
@@ -209,7 +248,7 @@ def profile_from_numbers(
         pageable_gbps: pageable host-to-device copy rate, GB/s.
         zero_copy_fraction: fraction of the pinned rate zero-copy reads reach, (0, 1].
         weight_read_gbps: rate resident weights are read from device memory, GB/s.
-        device_gib: device memory, GiB (2**30 bytes).
+        device_gib: device memory, GiB (2**30 bytes), from 1 byte to 2**60 bytes.
         base: a profile to take the numbers not given from.
         name: the new profile's name.
 
@@ -221,9 +260,12 @@ def profile_from_numbers(
         missing = "link_gbps" if link_gbps is None else "tflops"
         raise ConfigError(f"a profile from numbers needs both link_gbps and tflops (or a base profile); "
                           f"{missing} is missing", name=missing, value=None)
-    for arg, value in (("link_gbps", link_gbps), ("tflops", tflops), ("pageable_gbps", pageable_gbps),
-                       ("weight_read_gbps", weight_read_gbps), ("device_gib", device_gib)):
-        check_positive_number(arg, value, ConfigError, optional=True)
+    for arg, value, unit, unit_name in (("link_gbps", link_gbps, GB, "GB/s"), ("tflops", tflops, TFLOP, "TFLOP/s"),
+                                        ("pageable_gbps", pageable_gbps, GB, "GB/s"),
+                                        ("weight_read_gbps", weight_read_gbps, GB, "GB/s")):
+        if value is not None:
+            _check_rate(arg, value, unit=unit, unit_name=unit_name, minimum=MIN_GIVEN_RATE)
+    memory = None if device_gib is None else gib_to_bytes(device_gib, name="device_gib", allow_zero=False)
     pinned = link_gbps * GB if link_gbps is not None else base.pinned_h2d_bytes_per_s if base else 0.0
     if pageable_gbps is not None:
         pageable = pageable_gbps * GB
@@ -241,8 +283,7 @@ def profile_from_numbers(
         bf16_flops_per_s=tflops * TFLOP if tflops is not None else base.bf16_flops_per_s if base else 0.0,
         weight_read_bytes_per_s=(weight_read_gbps * GB if weight_read_gbps is not None
                                  else base.weight_read_bytes_per_s if base is not None else None),
-        device_memory_bytes=(int(device_gib * GIB) if device_gib is not None
-                             else base.device_memory_bytes if base is not None else 0),
+        device_memory_bytes=(memory if memory is not None else base.device_memory_bytes if base is not None else 0),
         coherent_unified_memory=base.coherent_unified_memory if base is not None else False,
         source=f"measured numbers{f' over {base.name}' if base is not None else ''}",
     )
