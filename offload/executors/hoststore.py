@@ -92,17 +92,19 @@ class HostStore:
 
     def _keep(self, ref: Ref, host: torch.Tensor, *, defer_release: bool) -> torch.Tensor:
         """Hold `host` as `ref`'s copy (releasing or retiring what `ref` held before)."""
-        if defer_release:
-            previous = self._copies.pop(ref, None)
-            self._unpinned.discard(ref)
-            if previous is not None and previous is not host:
-                self._retired.append(previous)
-        elif self._copies.get(ref) is not host:
-            self.drop(ref)
+        # The new copy is held before the old one is given back: if giving it back fails,
+        # nothing is lost track of (the old one is gone from the table either way).
+        previous = self._copies.get(ref)
         self._copies[ref] = host
+        self._unpinned.discard(ref)
         if self._pin is not PinMethod.NONE and host.numel() and not self._rt.is_pinned(host):
             self._unpinned.add(ref)
             log.info("layer %d parameter %r stays in pageable memory: pinning it failed", *ref)
+        if previous is not None and previous is not host:
+            if defer_release:
+                self._retired.append(previous)
+            else:
+                self._rt.release_host(previous)
         return host
 
     def get(self, ref: Ref) -> torch.Tensor | None:
@@ -124,9 +126,8 @@ class HostStore:
 
     def release_retired(self) -> None:
         """Release the copies `put` replaced with ``defer_release=True``."""
-        retired, self._retired = self._retired, []
-        for host in retired:
-            self._rt.release_host(host)
+        while self._retired:  # one at a time: a failure leaves the rest for `clear`
+            self._rt.release_host(self._retired.pop())
 
     def clear(self) -> None:
         """Release every copy, retired ones included."""

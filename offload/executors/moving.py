@@ -432,11 +432,11 @@ class Restorer:
                     data = self._rt.copy_to(host, dest)
                 for param in members:
                     param.data = data
-                self._store.drop(owner)
-                self._done.add(owner)
+                self._done.add(owner)  # before the release: if that fails, a retry goes on from here
                 self.params += len(members)
                 self.storages += 1
                 progress.advance(_nbytes(host))
+                self._store.drop(owner)
             self._resident_back()
         except BaseException as exc:
             done = len(self._done) + len(self._back)

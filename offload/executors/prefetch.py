@@ -272,7 +272,7 @@ class PrefetchOffloader:
             self._bound[position_of[p.layer]].append((param, buffer))
             self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
         for position in plan.schedule.initial:
-            self._issue(position, self._rt.record(), in_capture=False)
+            self._issue(position, self._record(), in_capture=False)
 
     def _resync(self) -> dict[Ref, ParamSpec | None]:
         """Re-read offloaded parameters; re-copy replaced data; report what each is now."""
@@ -415,9 +415,18 @@ class PrefetchOffloader:
             return
         done, in_capture = self._pending.pop(position)
         if capturing == in_capture:
-            self._rt.wait(done)
+            try:
+                self._rt.wait(done)
+            except BaseException as exc:
+                raise_as_execution_error(exc, f"waiting for offloaded layer {layer}'s weights failed", "forward")
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
+
+    def _record(self) -> Event:
+        try:
+            return self._rt.record()
+        except BaseException as exc:
+            raise_as_execution_error(exc, "recording an event on the compute stream failed", "forward")
 
     def _refuse_changed(self, position: int, param: nn.Parameter) -> None:
         layer = self._plan.offloaded_layers[position]
@@ -462,12 +471,12 @@ class PrefetchOffloader:
         if position == 0:
             self._recovering = False
             for first in self._plan.schedule.initial:
-                self._issue(first, self._rt.record(), in_capture=False)
+                self._issue(first, self._record(), in_capture=False)
             if 0 not in self._pending:  # not a prefetched position at step start: copy it now
-                self._issue(0, self._rt.record(), in_capture=False)
+                self._issue(0, self._record(), in_capture=False)
             return
         self._recovering = True
-        self._issue(position, self._rt.record(), in_capture=False)
+        self._issue(position, self._record(), in_capture=False)
 
     def start_after_layer(self, layer: int) -> None:
         """After `layer` ran: issue the copy the schedule names next (called by the op);
@@ -481,7 +490,7 @@ class PrefetchOffloader:
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
-        self._issue(target, self._rt.record(), in_capture=capturing)
+        self._issue(target, self._record(), in_capture=capturing)
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -548,7 +557,11 @@ class PrefetchOffloader:
         ops.unregister(self._handle)
         self._patched.clear()
         self._host.clear()
-        self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        try:
+            self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        except BaseException as exc:
+            raise_as_execution_error(exc, "restore gave every weight back, but waiting for the device failed (call "
+                                     "restore() again to finish)", "restore")
         unmark(self._layers)
         self._state = Lifecycle.RESTORED
         self._restorer = None

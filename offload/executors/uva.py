@@ -299,7 +299,11 @@ class UVAOffloader:
         except BaseException as exc:
             raise_as_execution_error(exc, "post_init failed making device views, the rest of the weights are "
                                      "copied on demand", "post_init")
-        self._host.release_retired()
+        try:
+            self._host.release_retired()
+        except BaseException as exc:
+            raise_as_execution_error(exc, "post_init re-read the weights, but giving back replaced host copies "
+                                     "failed (the rest are given back on restore)", "post_init")
         self._dropped += len(deleted)
         self._sources.clear()  # only a re-read needs them, and post_init has succeeded
         if revised is not self._plan:
@@ -432,7 +436,11 @@ class UVAOffloader:
         self._patched.clear()
         self._on_demand = {}
         self._forget()
-        self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        try:
+            self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
+        except BaseException as exc:
+            raise_as_execution_error(exc, "restore gave every weight back, but waiting for the device failed (call "
+                                     "restore() again to finish)", "restore")
         unmark(self._layers)
         self._state = Lifecycle.RESTORED
         self._restorer = None
