@@ -42,6 +42,7 @@ __all__ = [
     "describe_moves",
     "find_moves",
     "mark",
+    "move_all",
     "move_resident",
     "restore_place",
     "resync_data",
@@ -361,6 +362,52 @@ def move_resident(plan: OffloadPlan, layers: Sequence[nn.Module], found: Mapping
         if entry.move is Move.TO_DEVICE:
             from_host.append((owner, param))
     return from_host
+
+
+#: What an offloaded parameter points at once its storage's host copy exists: given the
+#: parameter, the (layer, name) owning the host copy, and the parameter's move.
+DataFor = Callable[[ParamPlan, Ref, Move], torch.Tensor]
+
+
+def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, runtime: Runtime,
+             origin: dict[Ref, torch.device], data_for: DataFor) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]]]:
+    """The moves of `wrap_modules`, shared by the executors: every offloaded storage gets
+    its host copy (`HostStore.place`) and each offloaded parameter points at `data_for`
+    (the host copy, or a view of it); resident weights go to the device (`move_resident`).
+
+    Args:
+        origin: filled with where `restore` puts each offloaded (layer, name).
+
+    Returns:
+        What `find_moves` found, and the resident parameters copied from the host.
+
+    Raises:
+        PlanError: from `find_moves`, before anything moved.
+        BaseException: whatever failed while moving, after every change was undone (the
+            caller releases what the store holds and reports the error).
+    """
+    found = find_moves(plan, layers, runtime.device)
+    undo = Undo()
+    replaced: dict[int, nn.Parameter] = {}
+    progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
+    try:
+        for p in plan.offloaded_params:
+            ref = (p.layer, p.name)
+            entry = found[ref]
+            if p.tied_to is None:
+                store.place(ref, entry.param.data, entry.move)
+                progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
+            owner = p.tied_to or ref
+            data = data_for(p, owner, entry.move)
+            origin[ref] = restore_place(entry.move, entry.param.device, runtime)
+            assign(layers[p.layer], p.name, entry.param, data, move=entry.move, owner=owner, undo=undo,
+                   replaced=replaced)
+        from_host = move_resident(plan, layers, found, runtime, undo, replaced, progress)
+    except BaseException:
+        undo.run(store, runtime)
+        raise
+    progress.finish()
+    return found, from_host
 
 
 def restore_place(move: Move, device: torch.device, runtime: Runtime) -> torch.device:

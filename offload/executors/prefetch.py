@@ -48,17 +48,12 @@ from offload.executors.common import (
 )
 from offload.executors.hoststore import HostStore
 from offload.executors.moving import (
-    Progress,
     Restorer,
-    Undo,
-    assign,
     claim,
     describe_moves,
-    find_moves,
     held_storages,
     mark,
-    move_resident,
-    restore_place,
+    move_all,
     resync_data,
     state_dict_hook,
     take_replacements,
@@ -66,7 +61,6 @@ from offload.executors.moving import (
 )
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
-from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
@@ -152,31 +146,14 @@ class PrefetchOffloader:
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
-        found = find_moves(plan, layers, self._rt.device)
-        undo = Undo()
-        replaced: dict[int, nn.Parameter] = {}
-        progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
         try:
-            for p in plan.offloaded_params:
-                ref = (p.layer, p.name)
-                entry = found[ref]
-                param = entry.param
-                if p.tied_to is None:
-                    host = self._host.place(ref, param.data, entry.move)
-                    progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
-                else:
-                    host = self._host_of(p.tied_to)
-                self._origin[ref] = restore_place(entry.move, param.device, self._rt)
-                assign(layers[p.layer], p.name, param, host, move=entry.move, owner=p.tied_to or ref, undo=undo,
-                       replaced=replaced)
-            from_host = move_resident(plan, layers, found, self._rt, undo, replaced, progress)
+            found, from_host = move_all(plan, layers, self._host, self._rt, self._origin,
+                                        lambda p, owner, move: self._host_of(owner))
         except BaseException as exc:
-            undo.run(self._host, self._rt)
             self._host.clear()
             self._origin.clear()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        progress.finish()
         self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
         self._layers = layers
         self._handle = ops.register(self)

@@ -48,17 +48,12 @@ from offload.executors.common import (
 )
 from offload.executors.hoststore import HostStore
 from offload.executors.moving import (
-    Progress,
     Restorer,
-    Undo,
-    assign,
     claim,
     describe_moves,
-    find_moves,
     held_storages,
     mark,
-    move_resident,
-    restore_place,
+    move_all,
     resync_data,
     state_dict_hook,
     take_replacements,
@@ -161,37 +156,12 @@ class UVAOffloader:
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
-        found = find_moves(plan, layers, self._rt.device)
-        undo = Undo()
-        replaced: dict[int, nn.Parameter] = {}
-        progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
         try:
-            for p in plan.offloaded_params:
-                ref = (p.layer, p.name)
-                entry = found[ref]
-                param = entry.param
-                if p.tied_to is None:
-                    self._host.place(ref, param.data, entry.move)
-                    progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
-                owner = p.tied_to or ref
-                if entry.move is Move.NEW_ON_HOST and p.placement is Placement.UVA:
-                    # A loader will write these weights: into the host copy itself, not
-                    # through a device view of it (a host-to-device copy whose destination
-                    # is host memory is outside what CUDA defines); post_init attaches the view.
-                    data = self._data.setdefault(owner, host_of(self._host, owner))
-                    self._deferred.add(owner)
-                else:
-                    data = self._attach(p, owner)
-                self._origin[ref] = restore_place(entry.move, param.device, self._rt)
-                assign(layers[p.layer], p.name, param, data, move=entry.move, owner=p.tied_to or ref, undo=undo,
-                       replaced=replaced)
-            from_host = move_resident(plan, layers, found, self._rt, undo, replaced, progress)
+            found, from_host = move_all(plan, layers, self._host, self._rt, self._origin, self._data_for)
         except BaseException as exc:
-            undo.run(self._host, self._rt)
             self._forget()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        progress.finish()
         self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
         self._layers = layers
         self._hook_on_demand()
@@ -205,6 +175,17 @@ class UVAOffloader:
                  "(moves: %s)", len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
                  len(self._data) - len(self._viewed), describe_moves(found))
         return layers
+
+    def _data_for(self, p: ParamPlan, owner: Ref, move: Move) -> torch.Tensor:
+        """What `p` points at after wrapping (see `_attach`)."""
+        if move is Move.NEW_ON_HOST and p.placement is Placement.UVA:
+            # A loader will write these weights: into the host copy itself, not through a
+            # device view of it (a host-to-device copy whose destination is host memory is
+            # outside what CUDA defines); post_init attaches the view.
+            data = self._data.setdefault(owner, host_of(self._host, owner))
+            self._deferred.add(owner)
+            return data
+        return self._attach(p, owner)
 
     def _attach(self, p: ParamPlan, owner: Ref) -> torch.Tensor:
         """What the parameters sharing `owner`'s host copy point at, made once per owner: a
