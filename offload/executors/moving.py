@@ -36,6 +36,7 @@ __all__ = [
     "Progress",
     "Restorer",
     "Undo",
+    "ViewGroup",
     "OffloadMark",
     "assign",
     "claim",
@@ -50,6 +51,7 @@ __all__ = [
     "take_replacements",
     "held_storages",
     "unmark",
+    "view_groups",
 ]
 
 log = logging.getLogger("offload.load")
@@ -369,8 +371,35 @@ def move_resident(plan: OffloadPlan, layers: Sequence[nn.Module], found: Mapping
 DataFor = Callable[[ParamPlan, Ref, Move], torch.Tensor]
 
 
+#: Offloaded parameters that are different views of one storage (a fused weight split
+#: into slices): the storage's bytes, and each member with its storage offset in elements.
+ViewGroup = tuple[int, tuple[tuple[Ref, int], ...]]
+
+
+def view_groups(plan: OffloadPlan, found: Mapping[Ref, Found]) -> tuple[ViewGroup, ...]:
+    """Offloaded parameters sharing one storage as different views (not ties: those are
+    one view under two names). Their host copies are separate; restore puts them back
+    into one storage again (`Restorer`)."""
+    by_storage: dict[tuple[str, int], list[tuple[Ref, nn.Parameter]]] = {}
+    for p in plan.offloaded_params:
+        if p.tied_to is not None:
+            continue
+        entry = found.get((p.layer, p.name))
+        if entry is None or entry.param.device.type == "meta" or entry.param.numel() == 0:
+            continue
+        storage = entry.param.untyped_storage()
+        by_storage.setdefault((str(entry.param.device), storage.data_ptr()), []).append(((p.layer, p.name), entry.param))
+    groups: list[ViewGroup] = []
+    for members in by_storage.values():
+        if len(members) > 1:
+            nbytes = members[0][1].untyped_storage().nbytes()
+            groups.append((nbytes, tuple((ref, int(param.storage_offset())) for ref, param in members)))
+    return tuple(groups)
+
+
 def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, runtime: Runtime,
-             origin: dict[Ref, torch.device], data_for: DataFor) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]]]:
+             origin: dict[Ref, torch.device],
+             data_for: DataFor) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]], tuple[ViewGroup, ...]]:
     """The moves of `wrap_modules`, shared by the executors: every offloaded storage gets
     its host copy (`HostStore.place`) and each offloaded parameter points at `data_for`
     (the host copy, or a view of it); resident weights go to the device (`move_resident`).
@@ -379,7 +408,8 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
         origin: filled with where `restore` puts each offloaded (layer, name).
 
     Returns:
-        What `find_moves` found, and the resident parameters copied from the host.
+        What `find_moves` found, the resident parameters copied from the host, and the
+        offloaded parameters that are views of one storage (`view_groups`).
 
     Raises:
         PlanError: from `find_moves`, before anything moved.
@@ -387,6 +417,7 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
             caller releases what the store holds and reports the error).
     """
     found = find_moves(plan, layers, runtime.device)
+    views = view_groups(plan, found)
     undo = Undo()
     replaced: dict[int, nn.Parameter] = {}
     progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
@@ -407,7 +438,7 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
         undo.run(store, runtime)
         raise
     progress.finish()
-    return found, from_host
+    return found, from_host, views
 
 
 def restore_place(move: Move, device: torch.device, runtime: Runtime) -> torch.device:
@@ -428,10 +459,15 @@ class Restorer:
         target: for every offloaded (layer, name), the device its data goes back to.
         from_host: resident parameters `move_resident` copied from the host.
         runtime: the effects.
+        views: offloaded parameters that were views of one storage: given back into one
+            storage again (bytes no parameter covered are not kept).
     """
 
     def __init__(self, layers: Sequence[nn.Module], store: HostStore, target: Mapping[Ref, torch.device],
-                 from_host: Sequence[tuple[Ref, nn.Parameter]], runtime: Runtime) -> None:
+                 from_host: Sequence[tuple[Ref, nn.Parameter]], runtime: Runtime,
+                 views: Sequence[ViewGroup] = ()) -> None:
+        self._views = views
+        self._reshared = False
         self._layers = layers
         self._store = store
         self._target = target
@@ -485,6 +521,7 @@ class Restorer:
                 progress.advance(_nbytes(host))
                 self._store.drop(owner)
             self._resident_back()
+            self._reshare()
         except BaseException as exc:
             done = len(self._done) + len(self._back)
             raise_as_execution_error(
@@ -505,6 +542,25 @@ class Restorer:
                                      name=p.name, value=p.layer)
             groups.setdefault(owner, []).append(param)
         return groups
+
+    def _reshare(self) -> None:
+        """Put parameters that were views of one storage back into one storage."""
+        if self._reshared:
+            return
+        for nbytes, members in self._views:
+            params = [(find_parameter(self._layers[ref[0]], ref[1]), offset) for ref, offset in members]
+            live = [(param, offset) for param, offset in params if param is not None]
+            if len(live) < 2 or len({param.untyped_storage().data_ptr() for param, _ in live}) == 1:
+                continue  # fewer than two left, or still one storage (given back in place)
+            device = live[0][0].device
+            base = (self._rt.device_empty((nbytes,), (1,), torch.uint8) if device == self._rt.device
+                    else torch.empty(nbytes, dtype=torch.uint8, device=device))
+            for param, offset in live:
+                view = torch.empty(0, dtype=param.dtype, device=device).set_(
+                    base.untyped_storage(), offset, tuple(param.shape), tuple(param.stride()))
+                view.copy_(param.data)
+                param.data = view
+        self._reshared = True
 
     def _resident_back(self) -> None:
         """Resident parameters that came from the host go back there (ties as one tensor)."""

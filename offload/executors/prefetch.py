@@ -147,14 +147,14 @@ class PrefetchOffloader:
         plan = self._plan
         claim(layers, self)
         try:
-            found, from_host = move_all(plan, layers, self._host, self._rt, self._origin,
+            found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin,
                                         lambda p, owner, move: self._host_of(owner))
         except BaseException as exc:
             self._host.clear()
             self._origin.clear()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views)
         self._layers = layers
         self._handle = ops.register(self)
         # Hooks know their layer, not their schedule position: post_init may revise the

@@ -157,12 +157,12 @@ class UVAOffloader:
         plan = self._plan
         claim(layers, self)
         try:
-            found, from_host = move_all(plan, layers, self._host, self._rt, self._origin, self._data_for)
+            found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin, self._data_for)
         except BaseException as exc:
             self._forget()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt)
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views)
         self._layers = layers
         self._hook_on_demand()
         layers_offloaded = sorted({p.layer for p in self._plan.offloaded_params})

@@ -248,3 +248,39 @@ def test_the_plan_made_from_another_model_of_the_same_shapes_still_runs() -> Non
     off.post_init()
     x = next(inputs(seed=5))
     assert torch.equal(model(x), reference(x))
+
+
+class FusedBlock(nn.Module):
+    """Two parameters that are different views (slices) of one storage, as a fused weight
+    split into q and k is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fused = torch.randn(2 * 16, 16)
+        self.q = nn.Parameter(fused[:16])
+        self.k = nn.Parameter(fused[16:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.q.T + x @ self.k.T
+
+
+@pytest.mark.parametrize("kind", ["prefetch-pinned", "uva", "on-demand-pinned", "prefetch"])
+def test_views_of_one_storage_come_back_sharing_it(kind: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedBlock(), FusedBlock(), FusedBlock())
+    reference = copy.deepcopy(model)
+    shared = {id(layer): layer.q.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()
+              for layer in model if isinstance(layer, FusedBlock)}
+    assert all(shared.values())
+    plan = _plans(model)[kind]
+    off = create_offloader(plan, FakeRuntime())
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    x = torch.randn(2, 16)
+    assert torch.equal(model(x), reference(x))
+    off.restore()
+    for layer, twin in zip(model, reference, strict=True):
+        assert isinstance(layer, FusedBlock) and isinstance(twin, FusedBlock)
+        assert layer.q.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()  # one storage again
+        assert layer.k.storage_offset() - layer.q.storage_offset() == 16 * 16
+        assert torch.equal(layer.q, twin.q) and torch.equal(layer.k, twin.k)
