@@ -331,7 +331,7 @@ class UVAOffloader:
                 return forward(*args, **kwargs)
             module = self._layers[layer]
             refuse_autograd(layer, module, [name for name, _ in entries], args, kwargs)
-            for name, owner in entries:
+            for name, owner in (() if torch.compiler.is_compiling() else entries):  # data pointers: eager only
                 param = find_parameter(module, name)
                 host = self._host.get(owner)
                 if param is not None and host is not None and (param.data_ptr() != host.data_ptr()
