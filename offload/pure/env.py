@@ -58,7 +58,8 @@ class EnvFlags:
 
 def _parse_bool(variable: str, raw: object) -> bool | None:
     # The mapping's type says str, but callers pass dicts of their own (a config file's
-    # True, ``os.environb``'s bytes): refuse those by name instead of failing on `.strip`.
+    # True, the bytes of the process's byte environment): refuse those by name instead of
+    # failing on `.strip`.
     if not isinstance(raw, str):
         raise EnvError(
             f"{variable}={raw!r} is a {type(raw).__name__}, not a string; environment values "
