@@ -12,13 +12,11 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from torch._inductor.memory import topological_sort_bfs
 
 from offload import OffloadConfig
 from offload.graphs import capture_forward
-from tests.executors.models import Int8Linear
-from tests.gpu.test_prefetch_gpu import gpu_inputs, gpu_model, offload, plan_for
+from tests.gpu.test_prefetch_gpu import check_int8_compiled_parity, gpu_inputs, gpu_model, offload, plan_for
 
 pytestmark = [
     # By message only: the category changed between torch releases.
@@ -37,21 +35,9 @@ class Aborted(RuntimeError):
 def test_forced_bfs_schedule_keeps_weight_only_math_after_the_wait() -> None:
     """Int8 layers of 16 MiB, one token: copies are slow next to the compute, so a
     dequantisation hoisted above its wait would read another layer's weights."""
-    torch._dynamo.reset()
-    torch.manual_seed(12)
-    with torch.device("cuda"):
-        model = nn.Sequential(*[Int8Linear(4096) for _ in range(6)]).requires_grad_(False)
-    reference = copy.deepcopy(model)
-    off = offload(model, plan_for(model, STEP2))
     with torch._inductor.config.patch(reorder_for_compute_comm_overlap=True,
                                       reorder_for_compute_comm_overlap_passes=[topological_sort_bfs]):
-        compiled = torch.compile(model, fullgraph=True)
-        generator = torch.Generator(device="cuda").manual_seed(13)
-        for _ in range(4):
-            x = torch.randn(1, 1, 4096, device="cuda", generator=generator)
-            torch.testing.assert_close(compiled(x), reference(x), atol=1e-3, rtol=1e-3)
-    off.restore()
-    torch._dynamo.reset()
+        check_int8_compiled_parity()
 
 
 def test_reduce_overhead_mode_matches_eager() -> None:
