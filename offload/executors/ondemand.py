@@ -6,6 +6,10 @@ The copies are queued on the compute stream by `Runtime.to_device`, ahead of the
 that read them, and freed by the allocator when the call returns. Nothing is prefetched:
 this path is as slow as the link (the plan warns), and from pageable memory it cannot be
 captured in a CUDA graph.
+
+What each layer copies is fixed at `post_init` (`LayerCopies`). Under torch.compile the
+copies are made by the custom op `offload.executors.ops.copy_on_demand`, which calls the
+same `copy_layer`; in eager the executor calls it directly.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -23,11 +28,38 @@ from offload.protocols import Runtime
 from offload.pure.decisions import PinDecision
 from offload.pure.plan import ParamPlan
 
-__all__ = ["Entries", "LayerCall", "call_with_copies", "check_capturable", "on_demand_entries"]
+__all__ = ["Entries", "LayerCall", "LayerCopies", "check_capturable", "copy_layer", "on_demand_layers", "run_with"]
 
 #: Per layer: (parameter name within the layer, owner of its host copy), for every
 #: parameter the layer copies per call.
 Entries = tuple[tuple[str, Ref], ...]
+
+
+@attrs.frozen
+class LayerCopies:
+    """What one on-demand layer copies per call, fixed at `post_init`.
+
+    Attributes:
+        entries: (parameter name, owner of its host copy), per copied parameter.
+        owners: the distinct owners, in copy order (a tied storage is copied once).
+        keys: (`functional_call` key, index into `owners`), per copied parameter.
+    """
+
+    entries: Entries
+    owners: tuple[Ref, ...]
+    keys: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, entries: Entries) -> LayerCopies:
+        """The copies for these entries."""
+        owners = tuple(dict.fromkeys(owner for _, owner in entries))
+        index = {owner: i for i, owner in enumerate(owners)}
+        return cls(entries, owners, tuple((f"layer.{name}", index[owner]) for name, owner in entries))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The copied parameters' names within the layer."""
+        return tuple(name for name, _ in self.entries)
 
 
 class LayerCall(nn.Module):
@@ -45,7 +77,7 @@ class LayerCall(nn.Module):
         return self.run(*args, **kwargs)
 
 
-def on_demand_entries(params: Iterable[ParamPlan], store: HostStore, viewed: set[Ref]) -> dict[int, Entries]:
+def on_demand_layers(params: Iterable[ParamPlan], store: HostStore, viewed: set[Ref]) -> dict[int, LayerCopies]:
     """Which parameters each layer copies per call: those whose host copy has no device view
     (placed ON_DEMAND, or UVA whose pinning fell back)."""
     table: dict[int, list[tuple[str, Ref]]] = {}
@@ -53,36 +85,40 @@ def on_demand_entries(params: Iterable[ParamPlan], store: HostStore, viewed: set
         owner = host_owner(p, store)
         if owner is not None and owner not in viewed:
             table.setdefault(p.layer, []).append((p.name, owner))
-    return {layer: tuple(entries) for layer, entries in table.items()}
+    return {layer: LayerCopies.of(tuple(entries)) for layer, entries in table.items()}
 
 
-def call_with_copies(
-    call: LayerCall, entries: Entries, store: HostStore, runtime: Runtime, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, int, int]:
-    """Run `call` with every entry's storage copied to the device, once per storage.
+def copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime) -> tuple[list[torch.Tensor], int]:
+    """A device copy of each of the layer's host copies, once per storage.
 
     Returns:
-        The layer's output, the copies made and the bytes they moved.
+        The copies (in `copies.owners` order) and the bytes they moved.
+
+    Raises:
+        ExecutionError: a copy failed (the cause attached).
     """
-    on_device: dict[Ref, torch.Tensor] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
     nbytes = 0
-    for name, owner in entries:
-        tensor = on_device.get(owner)
-        if tensor is None:
-            host = host_of(store, owner)
-            try:
-                tensor = on_device[owner] = runtime.to_device(host)
-            except BaseException as exc:
-                raise_as_execution_error(exc, f"the on-demand copy of layer {owner[0]} parameter {owner[1]!r} failed",
-                                         owner[1])
-            nbytes += host.untyped_storage().nbytes()
-        tensors[f"layer.{name}"] = tensor  # tied names get the same tensor
-    out = torch.func.functional_call(call, tensors, args, kwargs, tie_weights=False, strict=False)
-    return out, len(on_device), nbytes
+    for owner in copies.owners:
+        host = host_of(store, owner)
+        try:
+            out.append(runtime.to_device(host))
+        except BaseException as exc:
+            raise_as_execution_error(exc, f"the on-demand copy of layer {owner[0]} parameter {owner[1]!r} failed",
+                                     owner[1])
+        nbytes += host.untyped_storage().nbytes()
+    return out, nbytes
 
 
-def check_capturable(layer: int, entries: Entries, store: HostStore, runtime: Runtime, pin: PinDecision) -> None:
+def run_with(call: LayerCall, copies: LayerCopies, tensors: list[torch.Tensor], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+    """Run `call` with each copied parameter replaced by its device copy (tied names get
+    the same tensor)."""
+    swapped = {key: tensors[index] for key, index in copies.keys}
+    return torch.func.functional_call(call, swapped, args, kwargs, tie_weights=False, strict=False)
+
+
+def check_capturable(layer: int, owners: Iterable[Ref], store: HostStore, runtime: Runtime, pin: PinDecision) -> None:
     """Refuse, before PyTorch does, to capture copies from pageable host memory.
 
     Raises:
@@ -90,7 +126,7 @@ def check_capturable(layer: int, entries: Entries, store: HostStore, runtime: Ru
             message says whether pinning is off (and why) or fell back.
     """
     pageable = set()
-    for _, owner in entries:
+    for owner in owners:
         host = host_of(store, owner)
         if host.numel() and not runtime.is_pinned(host):
             pageable.add(owner)

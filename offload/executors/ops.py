@@ -30,9 +30,15 @@ not be captured by cudagraph trees, whose warm-up and re-recording would issue a
 for copies the executor cannot account for. Capturing a whole forward is
 `offload.graphs.capture_forward`'s job.
 
+The on-demand path (`UVAOffloader`'s layers whose weights are copied per call) has one
+op, `copy_on_demand`: it returns fresh device copies of a layer's host copies, which the
+layer's forward then runs with. It mutates nothing; it takes the layer's input so that it
+cannot be scheduled before the layer is reached (which would keep every layer's copies
+alive at once). Its fake implementation returns empty tensors of the copies' layouts.
+
 An offloader registers itself under an integer handle; the ops find it by that handle at
-run time. Handles are plain ints so they trace as constants. The fake implementations
-do nothing: the ops return nothing and change no metadata.
+run time. Handles are plain ints so they trace as constants. The prefetch ops' fake
+implementations do nothing: they return nothing and change no metadata.
 """
 
 from __future__ import annotations
@@ -51,11 +57,15 @@ from offload.errors import ExecutionError
 __all__ = [
     "OPS_TAGS",
     "NO_LAYER",
+    "CopyLayout",
+    "OnDemandTarget",
     "PrefetchTarget",
     "SlotTensors",
     "bind_slots",
     "bound_slots",
+    "copy_on_demand",
     "register",
+    "register_on_demand",
     "start_prefetch",
     "unregister",
     "wait_prefetch",
@@ -83,6 +93,22 @@ class PrefetchTarget(Protocol):
         ...
 
 
+#: (shape, stride, dtype, device) of one on-demand copy.
+CopyLayout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+class OnDemandTarget(Protocol):
+    """What `copy_on_demand` calls back into: the UVA executor's on-demand layers."""
+
+    def copies_for(self, layer: int) -> list[torch.Tensor]:
+        """Fresh device copies of the layer's host copies, in the layer's copy order."""
+        ...
+
+    def copy_layouts(self, layer: int) -> list[CopyLayout]:
+        """The layouts of what `copies_for` returns, for tracing."""
+        ...
+
+
 #: A layer index -> that layer's tensors, exactly as the executor hands them to the ops
 #: (same order): the parameters whose data are slot buffers.
 SlotTensors = Callable[[int], Sequence[torch.Tensor]]
@@ -90,6 +116,7 @@ SlotTensors = Callable[[int], Sequence[torch.Tensor]]
 # Weak: the model's patched forwards keep an offloader alive; the registry must not keep
 # one alive after its model is gone. The slot resolvers hold their offloader weakly.
 _targets: weakref.WeakValueDictionary[int, PrefetchTarget] = weakref.WeakValueDictionary()
+_on_demand: weakref.WeakValueDictionary[int, OnDemandTarget] = weakref.WeakValueDictionary()
 _slots: dict[int, SlotTensors] = {}
 _copied_once: set[int] = set()  # handles whose ops were handed copies (logged once)
 _handles = itertools.count(1)
@@ -113,6 +140,14 @@ def register(target: PrefetchTarget) -> int:
     return handle
 
 
+def register_on_demand(target: OnDemandTarget) -> int:
+    """Make `target` reachable from `copy_on_demand`; returns its handle."""
+    with _lock:
+        handle = next(_handles)
+        _on_demand[handle] = target
+    return handle
+
+
 def bind_slots(handle: int, slots: SlotTensors) -> None:
     """Tell the ops where the real slot tensors of `handle`'s layers are, so that they can
     tell when a compile path handed them copies (see the module docstring)."""
@@ -129,19 +164,31 @@ def unregister(handle: int) -> None:
     """Forget a handle (restore); calls with it afterwards raise `ExecutionError`."""
     with _lock:
         _targets.pop(handle, None)
+        _on_demand.pop(handle, None)
         _slots.pop(handle, None)
         _copied_once.discard(handle)
+
+
+def _unregistered(handle: int) -> ExecutionError:
+    return ExecutionError(
+        f"offloader handle {handle} is not registered: the model was restored, or the "
+        "offloader was never set up (wrap_modules, then post_init)",
+        name="handle",
+        value=handle,
+    )
 
 
 def _target(handle: int) -> PrefetchTarget:
     target = _targets.get(handle)
     if target is None:
-        raise ExecutionError(
-            f"offloader handle {handle} is not registered: the model was restored, or the "
-            "offloader was never set up (wrap_modules, then post_init)",
-            name="handle",
-            value=handle,
-        )
+        raise _unregistered(handle)
+    return target
+
+
+def _on_demand_target(handle: int) -> OnDemandTarget:
+    target = _on_demand.get(handle)
+    if target is None:
+        raise _unregistered(handle)
     return target
 
 
@@ -232,3 +279,25 @@ def start_prefetch(activation: torch.Tensor, weights: list[torch.Tensor], handle
 def _start_prefetch_fake(activation: torch.Tensor, weights: list[torch.Tensor], handle: int, layer: int,
                          target: int) -> None:
     return None
+
+
+@torch.library.custom_op("offload::copy_on_demand", mutates_args=(), tags=OPS_TAGS)
+def copy_on_demand(activation: torch.Tensor | None, handle: int, layer: int) -> list[torch.Tensor]:
+    """Before an on-demand layer runs: device copies of its host copies, made for this call.
+
+    Args:
+        activation: the layer's input, if it has one (ordering only: the copies are made
+            when the layer is reached, and freed after it).
+        handle: the offloader's handle.
+        layer: the layer's index.
+
+    Returns:
+        One fresh tensor per host copy the layer reads, in its copy order.
+    """
+    return _on_demand_target(handle).copies_for(layer)
+
+
+@copy_on_demand.register_fake
+def _copy_on_demand_fake(activation: torch.Tensor | None, handle: int, layer: int) -> list[torch.Tensor]:
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype, device in _on_demand_target(handle).copy_layouts(layer)]

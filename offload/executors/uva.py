@@ -33,11 +33,13 @@ from torch import nn
 
 from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
+from offload.executors import ops
 from offload.executors.common import (
     Lifecycle,
     Ref,
     current_spec,
     find_parameter,
+    first_float_tensor,
     host_of,
     host_owner,
     normal_tensors,
@@ -59,7 +61,7 @@ from offload.executors.moving import (
     take_replacements,
     unmark,
 )
-from offload.executors.ondemand import Entries, LayerCall, call_with_copies, check_capturable, on_demand_entries
+from offload.executors.ondemand import LayerCall, LayerCopies, check_capturable, copy_layer, on_demand_layers, run_with
 from offload.protocols import Runtime
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
@@ -112,7 +114,8 @@ class UVAOffloader:
         self._restorer: Restorer | None = None
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
-        self._on_demand: dict[int, Entries] = {}  # layer -> (name, owner) copied per call
+        self._on_demand: dict[int, LayerCopies] = {}  # layer -> what it copies per call
+        self._handle = 0  # for the on-demand op under torch.compile (registered by wrap_modules)
         self._dropped = 0
         self._copies_issued = 0
         self._bytes_copied = 0
@@ -164,6 +167,7 @@ class UVAOffloader:
                                      "wrap_modules")
         self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views)
         self._layers = layers
+        self._handle = ops.register_on_demand(self)
         self._hook_on_demand()
         layers_offloaded = sorted({p.layer for p in self._plan.offloaded_params})
         self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -234,7 +238,7 @@ class UVAOffloader:
 
     def _hook_on_demand(self) -> None:
         """Work out which parameters each layer copies per call; hook layers that need it."""
-        self._on_demand = on_demand_entries(self._plan.offloaded_params, self._host, self._viewed)
+        self._on_demand = on_demand_layers(self._plan.offloaded_params, self._host, self._viewed)
         for layer in self._on_demand:
             if layer not in self._patched:
                 self._patched[layer] = patch_forward(self._layers[layer], functools.partial(self._wrap_forward, layer))
@@ -326,38 +330,68 @@ class UVAOffloader:
         call = LayerCall(self._layers[layer], forward)
 
         def on_demand_forward(*args: Any, **kwargs: Any) -> Any:
-            entries = self._entries(layer)
-            if not entries:
+            copies = self._copies_of(layer)
+            if copies is None:
                 return forward(*args, **kwargs)
-            module = self._layers[layer]
-            refuse_autograd(layer, module, [name for name, _ in entries], args, kwargs)
-            for name, owner in (() if torch.compiler.is_compiling() else entries):  # data pointers: eager only
-                param = find_parameter(module, name)
-                host = self._host.get(owner)
-                if param is not None and host is not None and (param.data_ptr() != host.data_ptr()
-                                                                or param.dtype != host.dtype):
-                    raise ExecutionError(
-                        f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
-                        f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor "
-                        "assigned to it), and the layer would run with the old weights. Call restore() first (it "
-                        "keeps the new data), make the change, then offload again", name=name, value=layer)
-            if self._rt.is_capturing():
-                check_capturable(layer, entries, self._host, self._rt, self._plan.pin)
-            out, copies, nbytes = call_with_copies(call, entries, self._host, self._rt, args, kwargs)
-            self._copies_issued += copies
-            self._bytes_copied += nbytes
-            return out
+            refuse_autograd(layer, self._layers[layer], copies.names, args, kwargs)
+            if torch.compiler.is_compiling():
+                activation = first_float_tensor((*args, *kwargs.values()))
+                tensors = ops.copy_on_demand(activation, self._handle, layer)
+            else:
+                self._check_unchanged(layer, copies)  # data pointers: eager only
+                tensors = self.copies_for(layer)
+            return run_with(call, copies, tensors, args, kwargs)
 
         return on_demand_forward
 
-    def _entries(self, layer: int) -> Entries:
+    def _copies_of(self, layer: int) -> LayerCopies | None:
         if self._state is not Lifecycle.READY:
             raise ExecutionError(
                 f"layer {layer} copies its weights on demand and ran before post_init() (state "
                 f"{self._state.value}); post-processing may have replaced them: call post_init() first",
                 name="state", value=self._state.value,
             )
-        return self._on_demand.get(layer, ())
+        return self._on_demand.get(layer)
+
+    def _check_unchanged(self, layer: int, copies: LayerCopies) -> None:
+        """Refuse to run a layer whose copied parameters no longer point at their host
+        copies (changed after post_init): it would run with the old weights."""
+        module = self._layers[layer]
+        for name, owner in copies.entries:
+            param = find_parameter(module, name)
+            host = self._host.get(owner)
+            if param is not None and host is not None and (param.data_ptr() != host.data_ptr()
+                                                            or param.dtype != host.dtype):
+                raise ExecutionError(
+                    f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
+                    f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor "
+                    "assigned to it), and the layer would run with the old weights. Call restore() first (it "
+                    "keeps the new data), make the change, then offload again", name=name, value=layer)
+
+    def copies_for(self, layer: int) -> list[torch.Tensor]:
+        """Fresh device copies of the host copies `layer` reads on demand, counted in
+        `stats()` (`ops.OnDemandTarget`; the eager path calls it directly).
+
+        Raises:
+            ExecutionError: not ready, a CUDA graph is being captured from pageable host
+                memory, or a copy failed.
+        """
+        copies = self._copies_of(layer)
+        if copies is None:
+            return []
+        if self._rt.is_capturing():
+            check_capturable(layer, copies.owners, self._host, self._rt, self._plan.pin)
+        tensors, nbytes = copy_layer(copies, self._host, self._rt)
+        self._copies_issued += len(tensors)
+        self._bytes_copied += nbytes
+        return tensors
+
+    def copy_layouts(self, layer: int) -> list[ops.CopyLayout]:
+        """What `copies_for(layer)` returns, as (shape, stride, dtype, device) (for tracing)."""
+        copies = self._copies_of(layer)
+        device = self._rt.device
+        hosts = [host_of(self._host, owner) for owner in (copies.owners if copies is not None else ())]
+        return [(tuple(h.shape), tuple(h.stride()), h.dtype, device) for h in hosts]
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -416,6 +450,7 @@ class UVAOffloader:
         self._hooks = []
         self._patched.clear()
         self._on_demand = {}
+        ops.unregister(self._handle)
         self._forget()
         try:
             self._rt.synchronize()  # gives back page-locked memory whose last tensor just died

@@ -261,3 +261,20 @@ def test_post_processing_with_live_views() -> None:
     off.restore()
     for x in gpu_inputs(seed=9, count=2):
         assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script")
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_on_demand_under_torch_compile_fullgraph(pin: bool) -> None:
+    """The on-demand copies are one custom op per layer: inductor traces the whole forward,
+    the copies land on the device, and the result matches a compiled resident model."""
+    torch._dynamo.reset()
+    model = gpu_model()
+    reference = torch.compile(copy.deepcopy(model), fullgraph=True)
+    off = offload(model, plan_for(model, pin=pin, uva=False))
+    compiled = torch.compile(model, fullgraph=True)
+    for x in gpu_inputs(seed=7, count=3):
+        torch.testing.assert_close(compiled(x), reference(x), rtol=2e-2, atol=2e-2)
+    assert off.stats().copies_issued > 0
+    off.restore()
+    torch._dynamo.reset()
