@@ -28,7 +28,18 @@ from offload.protocols import Runtime
 from offload.pure.decisions import PinDecision
 from offload.pure.plan import ParamPlan
 
-__all__ = ["Entries", "LayerCall", "LayerCopies", "check_capturable", "copy_layer", "on_demand_layers", "run_with"]
+__all__ = [
+    "Entries",
+    "LayerCall",
+    "LayerCopies",
+    "Site",
+    "bind_sites",
+    "check_capturable",
+    "copy_layer",
+    "on_demand_layers",
+    "run_swapped",
+    "run_with",
+]
 
 #: Per layer: (parameter name within the layer, owner of its host copy), for every
 #: parameter the layer copies per call.
@@ -43,23 +54,21 @@ class LayerCopies:
         entries: (parameter name, owner of its host copy), per copied parameter.
         owners: the distinct owners, in copy order (a tied storage is copied once).
         keys: (`functional_call` key, index into `owners`), per copied parameter.
+        names: the copied parameters' names within the layer.
     """
 
     entries: Entries
     owners: tuple[Ref, ...]
     keys: tuple[tuple[str, int], ...]
+    names: tuple[str, ...]
 
     @classmethod
     def of(cls, entries: Entries) -> LayerCopies:
         """The copies for these entries."""
         owners = tuple(dict.fromkeys(owner for _, owner in entries))
         index = {owner: i for i, owner in enumerate(owners)}
-        return cls(entries, owners, tuple((f"layer.{name}", index[owner]) for name, owner in entries))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The copied parameters' names within the layer."""
-        return tuple(name for name, _ in self.entries)
+        keys = tuple((f"layer.{name}", index[owner]) for name, owner in entries)
+        return cls(entries, owners, keys, tuple(name for name, _ in entries))
 
 
 class LayerCall(nn.Module):
@@ -116,6 +125,43 @@ def run_with(call: LayerCall, copies: LayerCopies, tensors: list[torch.Tensor], 
     the same tensor)."""
     swapped = {key: tensors[index] for key, index in copies.keys}
     return torch.func.functional_call(call, swapped, args, kwargs, tie_weights=False, strict=False)
+
+
+#: Where one copied parameter lives, bound at post_init for the eager path: (its name in
+#: the layer, the ``_parameters`` dict of the module holding it, its key there, the
+#: Parameter, its host copy).
+Site = tuple[str, dict[str, Any], str, nn.Parameter, torch.Tensor]
+
+
+def bind_sites(layer: int, module: nn.Module, copies: LayerCopies, store: HostStore) -> tuple[Site, ...]:
+    """The sites of the layer's copied parameters, as they are now.
+
+    Raises:
+        ExecutionError: a parameter the layer copies is not there.
+    """
+    sites: list[Site] = []
+    for name, owner in copies.entries:
+        prefix, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(prefix) if prefix else module
+        param = holder._parameters.get(leaf)
+        if not isinstance(param, nn.Parameter):
+            raise ExecutionError(f"layer {layer} parameter {name!r} vanished during post_init", name=name, value=layer)
+        sites.append((name, holder._parameters, leaf, param, host_of(store, owner)))
+    return tuple(sites)
+
+
+def run_swapped(sites: tuple[Site, ...], copies: LayerCopies, tensors: list[torch.Tensor],
+                forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Eager `run_with`: the layer's forward with each copied parameter's entry in its
+    module's ``_parameters`` pointing at its device copy for the call, put back after
+    (what `functional_call` does, without its generality)."""
+    for (_, params, leaf, _, _), (_, index) in zip(sites, copies.keys, strict=True):
+        params[leaf] = tensors[index]
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        for _, params, leaf, param, _ in sites:
+            params[leaf] = param
 
 
 def check_capturable(layer: int, owners: Iterable[Ref], store: HostStore, runtime: Runtime, pin: PinDecision) -> None:

@@ -98,6 +98,8 @@ class PrefetchOffloader:
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
         self._bound: list[list[tuple[nn.Parameter, torch.Tensor]]] = []  # position -> (parameter, its buffer)
+        self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
+        self._slot_params: dict[int, tuple[nn.Parameter, ...]] = {}  # layer -> its slot parameters (post_init)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
         # Per position, the copy in flight for its next run: its done event and whether it
         # was issued inside a CUDA graph capture. A position in `_landed` has its weights
@@ -219,6 +221,8 @@ class PrefetchOffloader:
         self._buffers.clear()
         self._copies = []
         self._bound = []
+        self._slot_params = {}
+        self._copy_bytes = []
         self._pending.clear()
         self._landed.clear()
 
@@ -231,6 +235,7 @@ class PrefetchOffloader:
         self._position_of = position_of
         self._copies = [[] for _ in plan.offloaded_layers]
         self._bound = [[] for _ in plan.offloaded_layers]
+        slot_params: dict[int, list[nn.Parameter]] = {}
         for p in plan.offloaded_params:
             ref = (p.layer, p.name)
             param = find_parameter(self._layers[p.layer], p.name)
@@ -248,6 +253,13 @@ class PrefetchOffloader:
             param.data = buffer
             self._bound[position_of[p.layer]].append((param, buffer))
             self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
+        for p in plan.offloaded_params:  # every offloaded parameter of a layer, each once (ties included)
+            param = find_parameter(self._layers[p.layer], p.name)
+            found = slot_params.setdefault(p.layer, [])
+            if param is not None and all(param is not seen for seen in found):
+                found.append(param)
+        self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
+        self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host in copies) for copies in self._copies]
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
 
@@ -273,44 +285,47 @@ class PrefetchOffloader:
     # ---- the forward path -----------------------------------------------------------
 
     def _wrap_forward(self, layer: int, forward: Callable[..., Any]) -> Callable[..., Any]:
-        handle = self._handle
-
         names = tuple(p.name for p in self._plan.offloaded_params if p.layer == layer)
-        slots = ops.bound_slots(handle)
-        if slots is None:
-            # The slot tensors of each layer, as the ops are handed them: its offloaded
-            # parameters (whose data are slot buffers), each once. The ops declare them
-            # mutated, so that under torch.compile every read of a weight is ordered after
-            # the wait that fills its slot and before the start that overwrites it. Built
-            # once per offloader; holds it weakly (the ops' registry outlives no model).
-            by_layer: dict[int, list[str]] = {}
-            for p in self._plan.offloaded_params:
-                by_layer.setdefault(p.layer, []).append(p.name)
-            owner = weakref.ref(self)
-
-            def slot_tensors(index: int) -> list[torch.Tensor]:
-                offloader = owner()
-                if offloader is None:
-                    return []
-                module = offloader._layers[index]
-                found: list[torch.Tensor] = []
-                for name in by_layer.get(index, ()):
-                    param = find_parameter(module, name)
-                    if param is not None and all(param is not seen for seen in found):
-                        found.append(param)
-                return found
-
-            slots = slot_tensors
-            ops.bind_slots(handle, slots)
-        slots_of = slots
+        compiled = self._compiled_forward(layer, forward, names)
+        is_compiling = torch.compiler.is_compiling
 
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+            # Eager: the executor is called directly (the custom ops, their dispatch and
+            # aliasing checks, are for torch.compile, which must see the ordering).
+            if is_compiling():
+                return compiled(*args, **kwargs)
+            if torch.is_grad_enabled():
+                refuse_autograd(layer, self._layers[layer], names, args, kwargs)
+            self.wait_layer(layer)
+            out = forward(*args, **kwargs)
+            self.start_after_layer(layer)
+            return out
+
+        return offloaded_forward
+
+    def _compiled_forward(self, layer: int, forward: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
+        """The forward torch.compile traces: the wait and the start as custom ops that
+        declare the layer's slot tensors mutated (see `ops`)."""
+        handle = self._handle
+        if ops.bound_slots(handle) is None:
+            # The slot tensors of each layer, as the ops are handed them: its offloaded
+            # parameters (whose data are slot buffers), each once, as post_init found them.
+            # Holds the offloader weakly (the ops' registry outlives no model).
+            owner = weakref.ref(self)
+
+            def slot_tensors(index: int) -> Sequence[torch.Tensor]:
+                offloader = owner()
+                return () if offloader is None else offloader._slot_params.get(index, ())
+
+            ops.bind_slots(handle, slot_tensors)
+
+        def compiled_forward(*args: Any, **kwargs: Any) -> Any:
             refuse_autograd(layer, self._layers[layer], names, args, kwargs)
             activation = first_float_tensor((*args, *kwargs.values()))
             if activation is None:
                 self.wait_layer(layer)
             else:
-                ops.wait_prefetch(activation, list(slots_of(layer)), handle, layer)
+                ops.wait_prefetch(activation, list(self._slot_params.get(layer, ())), handle, layer)
             out = forward(*args, **kwargs)
             produced = first_float_tensor((out,))
             if produced is None:
@@ -322,25 +337,26 @@ class PrefetchOffloader:
                 position = self._position_of.get(layer)
                 after = None if position is None else self._plan.schedule.next_after[position]
                 target = ops.NO_LAYER if after is None else self._plan.offloaded_layers[after]
-                overwritten = [] if target == ops.NO_LAYER else list(slots_of(target))
+                overwritten = [] if target == ops.NO_LAYER else list(self._slot_params.get(target, ()))
                 ops.start_prefetch(produced, overwritten, handle, layer, target)
             return out
 
-        return offloaded_forward
+        return compiled_forward
 
     def _issue(self, position: int, after: Event, *, in_capture: bool) -> None:
         done: Event = after
         first = True
+        copies = self._copies[position]
         try:
-            for buffer, host in self._copies[position]:
+            for buffer, host in copies:
                 done = self._rt.copy_after(buffer, host, after if first else None)
                 first = False
                 self._copies_issued += 1
-                self._bytes_copied += host.untyped_storage().nbytes()
         except BaseException as exc:
             # No entry for the position: the layer that needs it realigns (copies it again).
             raise_as_execution_error(
                 exc, f"copying offloaded layer {self._plan.offloaded_layers[position]}'s weights failed", "forward")
+        self._bytes_copied += self._copy_bytes[position]
         self._pending[position] = (done, in_capture)
         self._landed.discard(position)
 

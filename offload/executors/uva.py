@@ -61,7 +61,17 @@ from offload.executors.moving import (
     take_replacements,
     unmark,
 )
-from offload.executors.ondemand import LayerCall, LayerCopies, check_capturable, copy_layer, on_demand_layers, run_with
+from offload.executors.ondemand import (
+    LayerCall,
+    LayerCopies,
+    Site,
+    bind_sites,
+    check_capturable,
+    copy_layer,
+    on_demand_layers,
+    run_swapped,
+    run_with,
+)
 from offload.protocols import Runtime
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
@@ -115,6 +125,7 @@ class UVAOffloader:
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._on_demand: dict[int, LayerCopies] = {}  # layer -> what it copies per call
+        self._sites: dict[int, tuple[Site, ...]] = {}  # layer -> where its copied parameters are (post_init)
         self._handle = 0  # for the on-demand op under torch.compile (registered by wrap_modules)
         self._dropped = 0
         self._copies_issued = 0
@@ -295,6 +306,11 @@ class UVAOffloader:
             log.info("post-processing changed offloaded parameters; plan revised")
         self._plan = revised
         self._hook_on_demand()
+        try:
+            self._sites = {layer: bind_sites(layer, self._layers[layer], copies, self._host)
+                           for layer, copies in self._on_demand.items()}
+        except BaseException as exc:
+            raise_as_execution_error(exc, "post_init failed finding the on-demand parameters", "post_init")
         self._state = Lifecycle.READY
 
     def _resync(self) -> tuple[dict[Ref, ParamSpec | None], set[Ref]]:
@@ -333,14 +349,15 @@ class UVAOffloader:
             copies = self._copies_of(layer)
             if copies is None:
                 return forward(*args, **kwargs)
-            refuse_autograd(layer, self._layers[layer], copies.names, args, kwargs)
+            if torch.is_grad_enabled():
+                refuse_autograd(layer, self._layers[layer], copies.names, args, kwargs)
             if torch.compiler.is_compiling():
                 activation = first_float_tensor((*args, *kwargs.values()))
                 tensors = ops.copy_on_demand(activation, self._handle, layer)
-            else:
-                self._check_unchanged(layer, copies)  # data pointers: eager only
-                tensors = self.copies_for(layer)
-            return run_with(call, copies, tensors, args, kwargs)
+                return run_with(call, copies, tensors, args, kwargs)
+            sites = self._sites[layer]
+            self._check_unchanged(layer, sites)  # data pointers: eager only
+            return run_swapped(sites, copies, self.copies_for(layer), forward, args, kwargs)
 
         return on_demand_forward
 
@@ -353,20 +370,19 @@ class UVAOffloader:
             )
         return self._on_demand.get(layer)
 
-    def _check_unchanged(self, layer: int, copies: LayerCopies) -> None:
-        """Refuse to run a layer whose copied parameters no longer point at their host
-        copies (changed after post_init): it would run with the old weights."""
-        module = self._layers[layer]
-        for name, owner in copies.entries:
-            param = find_parameter(module, name)
-            host = self._host.get(owner)
-            if param is not None and host is not None and (param.data_ptr() != host.data_ptr()
-                                                            or param.dtype != host.dtype):
-                raise ExecutionError(
-                    f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
-                    f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor "
-                    "assigned to it), and the layer would run with the old weights. Call restore() first (it "
-                    "keeps the new data), make the change, then offload again", name=name, value=layer)
+    def _check_unchanged(self, layer: int, sites: tuple[Site, ...]) -> None:
+        """Refuse to run a layer whose copied parameters were replaced or no longer point at
+        their host copies (changed after post_init): it would run with the old weights."""
+        for name, params, leaf, param, host in sites:
+            if params.get(leaf) is param and param.data_ptr() == host.data_ptr() and param.dtype == host.dtype:
+                continue
+            now = params.get(leaf)
+            what = f"now {now.dtype}, {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "now gone"
+            raise ExecutionError(
+                f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
+                f"post_init ({what}; e.g. by model.to(), or a tensor assigned to it), and the layer would run "
+                "with the old weights. Call restore() first (it keeps the new data), make the change, then "
+                "offload again", name=name, value=layer)
 
     def copies_for(self, layer: int) -> list[torch.Tensor]:
         """Fresh device copies of the host copies `layer` reads on demand, counted in
@@ -450,6 +466,7 @@ class UVAOffloader:
         self._hooks = []
         self._patched.clear()
         self._on_demand = {}
+        self._sites = {}
         ops.unregister(self._handle)
         self._forget()
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from typing import final
 
-import attrs
 import torch
 
 from offload.errors import ExecutionError
@@ -20,11 +19,24 @@ from offload.runtime.copies import span_chunks
 __all__ = ["CpuEvent", "CpuRuntime"]
 
 
-@attrs.frozen
+@final
 class CpuEvent:
-    """A point in the CPU runtime's single, synchronous order of work."""
+    """A point in the CPU runtime's single, synchronous order of work (a plain slotted
+    class: one is made per copy, on the forward path)."""
 
-    sequence: int
+    __slots__ = ("sequence",)
+
+    def __init__(self, sequence: int) -> None:
+        self.sequence = sequence
+
+    def __repr__(self) -> str:
+        return f"CpuEvent({self.sequence})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuEvent) and other.sequence == self.sequence
+
+    def __hash__(self) -> int:
+        return hash(self.sequence)
 
 
 def host_empty_like(tensor: torch.Tensor, *, pin: bool = False) -> torch.Tensor:
@@ -129,8 +141,11 @@ class CpuRuntime:
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> CpuEvent:
         """Copy now (the span's bytes, as `CudaRuntime` copies them): on the CPU every
         earlier event has already happened."""
-        for d, s in span_chunks(dst, src):
-            d.copy_(s)
+        if src.is_contiguous():
+            dst.copy_(src)  # what span_chunks answers for it, without the call
+        else:
+            for d, s in span_chunks(dst, src):
+                d.copy_(s)
         return CpuEvent(next(self._counter))
 
     def wait(self, event: object) -> None:

@@ -213,7 +213,9 @@ class CudaRuntime:
     def _chunks(self, dst: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`span_chunks` with the pieces `host` is registered in (one memcpy per piece)."""
         locked = self._locked.get(host.data_ptr())
-        return span_chunks(dst, host, locked.pieces if locked is not None else ())
+        # One registered piece has no boundary inside the tensor to cut at.
+        pieces = locked.pieces if locked is not None and len(locked.pieces) > 1 else ()
+        return span_chunks(dst, host, pieces)
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the device with exactly these strides."""
