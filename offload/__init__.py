@@ -69,7 +69,7 @@ from offload.pure import (
     schedule_prefetch,
     segment_matches,
 )
-from offload.stats import OffloadStats
+from offload.stats import OffloadStats, render_stats, render_stats_line
 
 if TYPE_CHECKING:
     from offload.capture import capture_env
@@ -167,6 +167,8 @@ __all__ = [
     "render_estimate",
     "render_fit",
     "render_plan",
+    "render_stats",
+    "render_stats_line",
     "resolve_backend",
     "revise_plan",
     "schedule_prefetch",

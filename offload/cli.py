@@ -44,7 +44,7 @@ from offload.pure.safetensors import printable
 from offload.pure.serialize import to_data
 from offload.pure.spec import ModelSpec
 from offload.pure.units import format_bytes, gib_to_bytes
-from offload.stats import OffloadStats
+from offload.stats import OffloadStats, render_stats
 
 __all__ = ["DEFAULT_PREFETCH", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "LOAD_PREFETCH", "build_parser", "main", "one_line"]
 
@@ -464,6 +464,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     for label, text in summarize(result).items():
         print(f"{label + ':':<15}{text}")
+    print()
+    print("offloader stats (offloaded steps):")
+    print(render_stats(result.stats))
     if result.mechanics_only:
         print("no GPU here: the offloading mechanics ran for real on the CPU and were verified; "
               "nothing is faster or smaller on a CPU")

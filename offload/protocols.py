@@ -154,6 +154,12 @@ class Runtime(Protocol):
         cannot measure it. Waits inside a CUDA graph capture are not measured."""
         ...
 
+    def copy_seconds(self) -> float | None:
+        """Device time the copies of `copy_after` took so far, as far as measured (copies
+        still in flight are counted once they are done); None where the runtime cannot
+        measure it. Copies issued inside a CUDA graph capture are not measured."""
+        ...
+
     def is_capturing(self) -> bool:
         """True while the compute stream is being captured into a CUDA graph."""
         ...

@@ -1,10 +1,10 @@
-"""What an offloader reports about its work: `OffloadStats`."""
+"""What an offloader reports about its work: `OffloadStats`, and `render_stats` to print it."""
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["OffloadStats"]
+__all__ = ["OffloadStats", "render_stats", "render_stats_line"]
 
 
 @attrs.frozen(kw_only=True)
@@ -25,6 +25,13 @@ class OffloadStats:
         realignments: prefetch: times the schedule was put right because offloaded layers
             ran out of order, were skipped or run twice, or a forward stopped part way (the
             weights stay correct; the layers until the next step copy on demand).
+        steps: forward steps seen: runs of the first offloaded (prefetch) or first
+            on-demand (uva) layer. CUDA graph replays run no Python and are not counted,
+            nor are models whose weights are all read in place (UVA views: no hook runs).
+        copy_seconds: device time the host-to-device copies took, measured on the copy
+            stream, over the copies issued outside CUDA graph captures
+            (`timed_bytes` of them); None when the runtime cannot measure it.
+        timed_bytes: bytes of the copies `copy_seconds` covers.
     """
 
     params_offloaded: int = 0
@@ -36,3 +43,82 @@ class OffloadStats:
     wait_seconds: float | None = None
     pin_fallbacks: int = 0
     realignments: int = 0
+    steps: int = 0
+    copy_seconds: float | None = None
+    timed_bytes: int = 0
+
+    @property
+    def bytes_per_step(self) -> float | None:
+        """Bytes copied per forward step; None before the first step."""
+        return self.bytes_copied / self.steps if self.steps else None
+
+    @property
+    def wait_seconds_per_step(self) -> float | None:
+        """Compute-stream wait per forward step; None before the first step or unmeasured."""
+        return self.wait_seconds / self.steps if self.steps and self.wait_seconds is not None else None
+
+    @property
+    def copy_gbps(self) -> float | None:
+        """Achieved host-to-device bandwidth of the timed copies, in GB/s (1e9 bytes per
+        second); None when unmeasured or nothing was timed."""
+        if self.copy_seconds is None or self.copy_seconds <= 0 or not self.timed_bytes:
+            return None
+        return self.timed_bytes / self.copy_seconds / 1e9
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3f} MiB"
+
+
+def _ms(seconds: float | None) -> str:
+    return "not measured" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def render_stats(stats: OffloadStats, *, link_gbps: float | None = None) -> str:
+    """`stats` as a small table, one figure per line, per-step figures beside the totals.
+
+    Args:
+        stats: what `Offloader.stats()` returned.
+        link_gbps: the host-to-device link's bandwidth in GB/s (e.g. the plan's profile),
+            to print the achieved bandwidth as a ratio to it; None to leave it out.
+    """
+    per_step = stats.bytes_per_step
+    wait_step = stats.wait_seconds_per_step
+    gbps = stats.copy_gbps
+    if gbps is None:
+        bandwidth = "not measured"
+    else:
+        bandwidth = f"{gbps:.2f} GB/s"
+        if link_gbps is not None and link_gbps > 0:
+            bandwidth += f" ({gbps / link_gbps:.2f}x the link's {link_gbps:g} GB/s)"
+    rows = [
+        ("steps", f"{stats.steps}"),
+        ("parameters offloaded", f"{stats.params_offloaded} ({stats.params_dropped} dropped by post-processing)"),
+        ("host memory held", _gib(stats.host_bytes)),
+        ("device buffers", _gib(stats.device_buffer_bytes)),
+        ("copies", f"{stats.copies_issued} ({_gib(stats.bytes_copied)})"),
+        ("copied per step", "n/a (no step yet)" if per_step is None else _gib(per_step)),
+        ("compute waited", _ms(stats.wait_seconds)
+         + ("" if wait_step is None else f" ({wait_step * 1e3:.3f} ms per step)")),
+        ("copy time", _ms(stats.copy_seconds)),
+        ("copy bandwidth", bandwidth),
+        ("pin fallbacks", f"{stats.pin_fallbacks}"),
+        ("realignments", f"{stats.realignments}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def render_stats_line(stats: OffloadStats) -> str:
+    """`stats` as one log line: the step count and the per-step figures."""
+    per_step = stats.bytes_per_step
+    wait_step = stats.wait_seconds_per_step
+    gbps = stats.copy_gbps
+    parts = [
+        f"step {stats.steps}",
+        "n/a copied per step" if per_step is None else f"{_gib(per_step)} copied per step",
+        "wait not measured" if wait_step is None else f"{wait_step * 1e3:.3f} ms waited per step",
+        "copy bandwidth not measured" if gbps is None else f"copies at {gbps:.2f} GB/s",
+        f"{stats.realignments} realignments",
+    ]
+    return "offload: " + ", ".join(parts)

@@ -29,6 +29,7 @@ __all__ = [
     "host_owner",
     "patch_forward",
     "normal_tensors",
+    "profiling",
     "raise_as_execution_error",
     "refuse_autograd",
     "torch_dtype",
@@ -69,6 +70,11 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"torch has no dtype named {name!r}", name="dtype", value=name)
     return dtype
+
+
+#: True while a profiler records (`torch.profiler.profile`): a C call, costing nothing to ask
+#: on every forward. The executors then wrap their waits and copies in named ranges.
+profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 def first_float_tensor(values: Sequence[Any]) -> torch.Tensor | None:

@@ -41,6 +41,7 @@ from offload.executors.common import (
     host_owner,
     normal_tensors,
     patch_forward,
+    profiling,
     raise_as_execution_error,
     refuse_autograd,
     torch_dtype,
@@ -59,6 +60,7 @@ from offload.executors.moving import (
     take_replacements,
     unmark,
 )
+from offload.executors.telemetry import StepLog
 from offload.protocols import Event, Runtime
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
@@ -115,6 +117,9 @@ class PrefetchOffloader:
         self._realignments = 0
         self._copies_issued = 0
         self._bytes_copied = 0
+        self._timed_bytes = 0  # of copies issued outside a CUDA graph capture (the runtime times those)
+        self._steps = 0
+        self._step_log = StepLog()
         self._handle = 0
 
     @property
@@ -296,6 +301,13 @@ class PrefetchOffloader:
                 return compiled(*args, **kwargs)
             if torch.is_grad_enabled():
                 refuse_autograd(layer, self._layers[layer], names, args, kwargs)
+            if profiling():
+                with torch.profiler.record_function(f"offload.wait layer {layer}"):
+                    self.wait_layer(layer)
+                out = forward(*args, **kwargs)
+                with torch.profiler.record_function(f"offload.copy after layer {layer}"):
+                    self.start_after_layer(layer)
+                return out
             self.wait_layer(layer)
             out = forward(*args, **kwargs)
             self.start_after_layer(layer)
@@ -357,6 +369,8 @@ class PrefetchOffloader:
             raise_as_execution_error(
                 exc, f"copying offloaded layer {self._plan.offloaded_layers[position]}'s weights failed", "forward")
         self._bytes_copied += self._copy_bytes[position]
+        if not in_capture:
+            self._timed_bytes += self._copy_bytes[position]
         self._pending[position] = (done, in_capture)
         self._landed.discard(position)
 
@@ -393,6 +407,10 @@ class PrefetchOffloader:
         position = self._position(layer)
         if position is None:
             return
+        if position == 0:
+            self._steps += 1
+            if self._step_log.active:
+                self._step_log.step(self._steps, self.stats)
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
@@ -574,7 +592,19 @@ class PrefetchOffloader:
             wait_seconds=self._rt.waited_seconds(),
             pin_fallbacks=self._host.fallbacks,
             realignments=self._realignments,
+            steps=self._steps,
+            copy_seconds=self._rt.copy_seconds(),
+            timed_bytes=self._timed_bytes,
         )
+
+    def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
+        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
+        steps and/or every `seconds` seconds (checked at each step); no arguments: stop.
+
+        Raises:
+            ExecutionError: `steps` or `seconds` is not a positive number.
+        """
+        self._step_log.configure(steps, seconds)
 
     def _host_of(self, ref: Ref) -> torch.Tensor:
         return host_of(self._host, ref)

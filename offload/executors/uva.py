@@ -44,6 +44,7 @@ from offload.executors.common import (
     host_owner,
     normal_tensors,
     patch_forward,
+    profiling,
     raise_as_execution_error,
     refuse_autograd,
     unpatch_forward,
@@ -72,6 +73,7 @@ from offload.executors.ondemand import (
     run_swapped,
     run_with,
 )
+from offload.executors.telemetry import StepLog
 from offload.protocols import Runtime
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
@@ -130,6 +132,9 @@ class UVAOffloader:
         self._dropped = 0
         self._copies_issued = 0
         self._bytes_copied = 0
+        self._steps = 0
+        self._first_on_demand: int | None = None  # the layer whose runs count as steps (post_init)
+        self._step_log = StepLog()
 
     @property
     def plan(self) -> OffloadPlan:
@@ -309,6 +314,7 @@ class UVAOffloader:
         try:
             self._sites = {layer: bind_sites(layer, self._layers[layer], copies, self._host)
                            for layer, copies in self._on_demand.items()}
+            self._first_on_demand = min(self._on_demand, default=None)
         except BaseException as exc:
             raise_as_execution_error(exc, "post_init failed finding the on-demand parameters", "post_init")
         self._state = Lifecycle.READY
@@ -357,7 +363,12 @@ class UVAOffloader:
                 return run_with(call, copies, tensors, args, kwargs)
             sites = self._sites[layer]
             self._check_unchanged(layer, sites)  # data pointers: eager only
-            return run_swapped(sites, copies, self.copies_for(layer), forward, args, kwargs)
+            if profiling():
+                with torch.profiler.record_function(f"offload.copy on demand layer {layer}"):
+                    tensors = self.copies_for(layer)
+            else:
+                tensors = self.copies_for(layer)
+            return run_swapped(sites, copies, tensors, forward, args, kwargs)
 
         return on_demand_forward
 
@@ -395,6 +406,10 @@ class UVAOffloader:
         copies = self._copies_of(layer)
         if copies is None:
             return []
+        if layer == self._first_on_demand:
+            self._steps += 1
+            if self._step_log.active:
+                self._step_log.step(self._steps, self.stats)
         if self._rt.is_capturing():
             check_capturable(layer, copies.owners, self._host, self._rt, self._plan.pin)
         tensors, nbytes = copy_layer(copies, self._host, self._rt)
@@ -492,4 +507,15 @@ class UVAOffloader:
             bytes_copied=self._bytes_copied,
             wait_seconds=None,
             pin_fallbacks=self._host.fallbacks,
+            steps=self._steps,
         )
+
+    def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
+        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
+        steps and/or every `seconds` seconds (checked at each step; steps are counted only
+        where some layer copies on demand); no arguments: stop.
+
+        Raises:
+            ExecutionError: `steps` or `seconds` is not a positive number.
+        """
+        self._step_log.configure(steps, seconds)

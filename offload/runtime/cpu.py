@@ -8,6 +8,7 @@ schedule, parity and restore. It saves no memory, and nothing here pretends othe
 from __future__ import annotations
 
 import itertools
+import time
 from typing import final
 
 import torch
@@ -62,6 +63,7 @@ class CpuRuntime:
 
     def __init__(self) -> None:
         self._counter = itertools.count()
+        self._copy_ns = 0
 
     @property
     def device(self) -> torch.device:
@@ -140,12 +142,14 @@ class CpuRuntime:
 
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> CpuEvent:
         """Copy now (the span's bytes, as `CudaRuntime` copies them): on the CPU every
-        earlier event has already happened."""
+        earlier event has already happened. Timed (see `copy_seconds`)."""
+        start = time.perf_counter_ns()
         if src.is_contiguous():
             dst.copy_(src)  # what span_chunks answers for it, without the call
         else:
             for d, s in span_chunks(dst, src):
                 d.copy_(s)
+        self._copy_ns += time.perf_counter_ns() - start
         return CpuEvent(next(self._counter))
 
     def wait(self, event: object) -> None:
@@ -154,6 +158,10 @@ class CpuRuntime:
     def waited_seconds(self) -> None:
         """Not measured: copies run synchronously when issued, so there is no wait to time."""
         return None
+
+    def copy_seconds(self) -> float:
+        """Wall time `copy_after`'s copies took (they run on the calling thread)."""
+        return self._copy_ns / 1e9
 
     def is_capturing(self) -> bool:
         """Never: CUDA graphs need CUDA."""

@@ -91,6 +91,8 @@ class CudaRuntime:
         self._calls = host_calls(self._device)
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # bracketed waits not yet added up
         self._waited_ms = 0.0
+        self._copies_timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # copies not yet added up
+        self._copied_ms = 0.0
 
     @property
     def device(self) -> torch.device:
@@ -240,17 +242,28 @@ class CudaRuntime:
         return event
 
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
-        """Queue the copy on the side stream after `after`; return its done event."""
+        """Queue the copy on the side stream after `after`; return its done event.
+
+        Outside a capture the copy is bracketed by two timing events on the copy stream
+        (the done event is the second), added up by `copy_seconds`."""
         stream = self._copy_stream
         if after is not None:
             if not isinstance(after, torch.cuda.Event):
                 raise ExecutionError(f"not an event of this runtime: {after!r}", name="after", value=after)
             stream.wait_event(after)
+        timed = not torch.cuda.is_current_stream_capturing()
+        start = torch.cuda.Event(enable_timing=True) if timed else None  # type: ignore[no-untyped-call]  # as above
+        if start is not None:
+            start.record(stream)
         with torch.cuda.stream(stream):
             for d, s in self._chunks(dst, src):
                 d.copy_(s, non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # as above
+        done = torch.cuda.Event(enable_timing=timed)  # type: ignore[no-untyped-call]  # as above
         done.record(stream)
+        if start is not None:
+            self._copies_timed.append((start, done))
+            if len(self._copies_timed) >= _FOLD_AT:
+                self._fold()
         return done
 
     def wait(self, event: object) -> None:
@@ -273,7 +286,7 @@ class CudaRuntime:
             self._fold()
 
     def _fold(self) -> None:
-        """Add up the bracketed waits that are done, oldest first; keep the rest.
+        """Add up the bracketed waits and copies that are done, oldest first; keep the rest.
 
         Not while the current stream captures a CUDA graph: ``cudaEventQuery`` is not
         permitted during a (global-mode) capture and would invalidate it, so the waits
@@ -283,6 +296,9 @@ class CudaRuntime:
         while self._timed and self._timed[0][1].query():  # type: ignore[no-untyped-call]  # unannotated in torch
             before, after = self._timed.pop(0)
             self._waited_ms += before.elapsed_time(after)
+        while self._copies_timed and self._copies_timed[0][1].query():  # type: ignore[no-untyped-call]  # as above
+            start, done = self._copies_timed.pop(0)
+            self._copied_ms += start.elapsed_time(done)
 
     def waited_seconds(self) -> float:
         """Seconds the compute stream stood still in `wait` (outside captures), over the
@@ -290,6 +306,12 @@ class CudaRuntime:
         graph capture (it then reports what was added up before it)."""
         self._fold()
         return self._waited_ms / 1e3
+
+    def copy_seconds(self) -> float:
+        """Device seconds the copy stream spent in `copy_after`'s copies (outside
+        captures), over the copies the device has finished; never blocks."""
+        self._fold()
+        return self._copied_ms / 1e3
 
     def is_capturing(self) -> bool:
         """True while the current stream is capturing a CUDA graph."""

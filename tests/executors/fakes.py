@@ -49,7 +49,12 @@ from offload.runtime.cpu import CpuRuntime, host_empty_like
 #: What `FakeRuntime.waited_seconds` counts per wait outside a capture, in seconds.
 WAIT_SECONDS = 0.25
 
+#: What `FakeRuntime.copy_seconds` counts per copied byte outside a capture, in seconds
+#: (a made-up link of 1 GB/s).
+COPY_SECONDS_PER_BYTE = 1e-9
+
 __all__ = [
+    "COPY_SECONDS_PER_BYTE",
     "WAIT_SECONDS",
     "Copy",
     "CopyTo",
@@ -359,6 +364,10 @@ class FakeRuntime:
         """`WAIT_SECONDS` for each wait logged outside a capture (a made-up duration, so
         tests can see the executor report what its runtime measured)."""
         return WAIT_SECONDS * sum(1 for e in self.log if isinstance(e, Wait) and not e.capturing)
+
+    def copy_seconds(self) -> float:
+        """`COPY_SECONDS_PER_BYTE` for each byte of the copies logged outside a capture."""
+        return COPY_SECONDS_PER_BYTE * sum(e.nbytes for e in self.log if isinstance(e, Copy) and not e.capturing)
 
     def is_capturing(self) -> bool:
         """What the test set `capturing` to."""

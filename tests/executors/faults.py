@@ -188,6 +188,10 @@ class FaultyRuntime:
         """Never fails (read by stats())."""
         return self.inner.waited_seconds()
 
+    def copy_seconds(self) -> float | None:
+        """Never fails (read by stats())."""
+        return self.inner.copy_seconds()
+
     def is_capturing(self) -> bool:
         """Never fails (a query)."""
         return self.inner.is_capturing()

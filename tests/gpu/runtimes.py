@@ -99,6 +99,9 @@ class RecordingCudaRuntime:
     def waited_seconds(self) -> float:
         return self._cuda.waited_seconds()
 
+    def copy_seconds(self) -> float:
+        return self._cuda.copy_seconds()
+
     def is_capturing(self) -> bool:
         return self._cuda.is_capturing()
 
