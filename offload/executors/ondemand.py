@@ -36,6 +36,7 @@ __all__ = [
     "bind_sites",
     "check_capturable",
     "copy_layer",
+    "holder_now",
     "on_demand_layers",
     "run_swapped",
     "run_with",
@@ -128,9 +129,9 @@ def run_with(call: LayerCall, copies: LayerCopies, tensors: list[torch.Tensor], 
 
 
 #: Where one copied parameter lives, bound at post_init for the eager path: (its name in
-#: the layer, the ``_parameters`` dict of the module holding it, its key there, the
-#: Parameter, its host copy).
-Site = tuple[str, dict[str, Any], str, nn.Parameter, torch.Tensor]
+#: the layer, the module holding it, that module's ``_parameters`` dict, its key there,
+#: the Parameter, its host copy).
+Site = tuple[str, nn.Module, dict[str, Any], str, nn.Parameter, torch.Tensor]
 
 
 def bind_sites(layer: int, module: nn.Module, copies: LayerCopies, store: HostStore) -> tuple[Site, ...]:
@@ -146,8 +147,17 @@ def bind_sites(layer: int, module: nn.Module, copies: LayerCopies, store: HostSt
         param = holder._parameters.get(leaf)
         if not isinstance(param, nn.Parameter):
             raise ExecutionError(f"layer {layer} parameter {name!r} vanished during post_init", name=name, value=layer)
-        sites.append((name, holder._parameters, leaf, param, host_of(store, owner)))
+        sites.append((name, holder, holder._parameters, leaf, param, host_of(store, owner)))
     return tuple(sites)
+
+
+def holder_now(module: nn.Module, name: str) -> nn.Module | None:
+    """The module that holds parameter `name` of `module` now, through ``_modules`` only
+    (cheap enough for every call), or None when the path no longer exists."""
+    holder: nn.Module | None = module
+    for part in name.split(".")[:-1]:
+        holder = holder._modules.get(part) if holder is not None else None
+    return holder
 
 
 def run_swapped(sites: tuple[Site, ...], copies: LayerCopies, tensors: list[torch.Tensor],
@@ -155,12 +165,12 @@ def run_swapped(sites: tuple[Site, ...], copies: LayerCopies, tensors: list[torc
     """Eager `run_with`: the layer's forward with each copied parameter's entry in its
     module's ``_parameters`` pointing at its device copy for the call, put back after
     (what `functional_call` does, without its generality)."""
-    for (_, params, leaf, _, _), (_, index) in zip(sites, copies.keys, strict=True):
-        params[leaf] = tensors[index]
     try:
+        for (_, _, params, leaf, _, _), (_, index) in zip(sites, copies.keys, strict=True):
+            params[leaf] = tensors[index]
         return forward(*args, **kwargs)
     finally:
-        for _, params, leaf, param, _ in sites:
+        for _, _, params, leaf, param, _ in sites:  # every one, swapped or not yet
             params[leaf] = param
 
 

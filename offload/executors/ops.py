@@ -36,6 +36,15 @@ layer's forward then runs with. It mutates nothing; it takes the layer's input s
 cannot be scheduled before the layer is reached (which would keep every layer's copies
 alive at once). Its fake implementation returns empty tensors of the copies' layouts.
 
+Eager forwards do not go through the ops: they call the executor directly, and take the
+op path only while `torch.compiler.is_compiling()` (dynamo, torch.export). A bare
+``make_fx``/``aot_function`` trace outside dynamo therefore runs the executor once at
+trace time and records no op: trace through torch.compile or torch.export instead. Under
+``mode="reduce-overhead"`` each `copy_on_demand` ends a CUDA graph partition, and graph
+trees copy its outputs into their static inputs on every replay: on-demand weights then
+cost one host-to-device and one device-to-device copy per forward (prefer the prefetch
+backend, or `offload.graphs.capture_forward`, with CUDA graphs).
+
 An offloader registers itself under an integer handle; the ops find it by that handle at
 run time. Handles are plain ints so they trace as constants. The prefetch ops' fake
 implementations do nothing: they return nothing and change no metadata.

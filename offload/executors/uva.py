@@ -69,6 +69,7 @@ from offload.executors.ondemand import (
     bind_sites,
     check_capturable,
     copy_layer,
+    holder_now,
     on_demand_layers,
     run_swapped,
     run_with,
@@ -128,6 +129,7 @@ class UVAOffloader:
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._on_demand: dict[int, LayerCopies] = {}  # layer -> what it copies per call
         self._sites: dict[int, tuple[Site, ...]] = {}  # layer -> where its copied parameters are (post_init)
+        self._running: set[int] = set()  # on-demand layers inside their forward (eager), for re-entry
         self._handle = 0  # for the on-demand op under torch.compile (registered by wrap_modules)
         self._dropped = 0
         self._copies_issued = 0
@@ -361,6 +363,8 @@ class UVAOffloader:
                 activation = first_float_tensor((*args, *kwargs.values()))
                 tensors = ops.copy_on_demand(activation, self._handle, layer)
                 return run_with(call, copies, tensors, args, kwargs)
+            if layer in self._running:  # the layer called itself: its copies are in place
+                return forward(*args, **kwargs)
             sites = self._sites[layer]
             self._check_unchanged(layer, sites)  # data pointers: eager only
             if profiling():
@@ -368,7 +372,11 @@ class UVAOffloader:
                     tensors = self.copies_for(layer)
             else:
                 tensors = self.copies_for(layer)
-            return run_swapped(sites, copies, tensors, forward, args, kwargs)
+            self._running.add(layer)
+            try:
+                return run_swapped(sites, copies, tensors, forward, args, kwargs)
+            finally:
+                self._running.discard(layer)
 
         return on_demand_forward
 
@@ -384,11 +392,18 @@ class UVAOffloader:
     def _check_unchanged(self, layer: int, sites: tuple[Site, ...]) -> None:
         """Refuse to run a layer whose copied parameters were replaced or no longer point at
         their host copies (changed after post_init): it would run with the old weights."""
-        for name, params, leaf, param, host in sites:
-            if params.get(leaf) is param and param.data_ptr() == host.data_ptr() and param.dtype == host.dtype:
+        module = self._layers[layer]
+        for name, holder, params, leaf, param, host in sites:
+            if (params.get(leaf) is param and param.data_ptr() == host.data_ptr() and param.dtype == host.dtype
+                    and holder_now(module, name) is holder):
                 continue
             now = params.get(leaf)
-            what = f"now {now.dtype}, {tuple(now.shape)}" if isinstance(now, torch.Tensor) else "now gone"
+            if holder_now(module, name) is not holder:
+                what = "the module holding it was replaced"
+            elif isinstance(now, torch.Tensor):
+                what = f"now {now.dtype}, {tuple(now.shape)}"
+            else:
+                what = "now gone"
             raise ExecutionError(
                 f"layer {layer} parameter {name!r} no longer points at its host copy: it was changed after "
                 f"post_init ({what}; e.g. by model.to(), or a tensor assigned to it), and the layer would run "

@@ -121,3 +121,41 @@ def test_torch_compile_still_traces_the_custom_ops(kind: str, expected: set[str]
         >= expected, found
     assert len(found) >= 3  # one per offloaded layer at least
     off.restore()
+
+
+@pytest.mark.parametrize("kind", ["on-demand", "on-demand-pinned"])
+def test_a_submodule_replaced_after_post_init_is_refused_on_demand(kind: str) -> None:
+    """The sites bound at post_init belong to the submodules then; a new submodule in place
+    of one of them would run with weights the plan knows nothing of."""
+    model = transformer_model(2)
+    off = _ready(kind, model)
+    layer = layer_list(model)[0]
+    mlp = layer.get_submodule("mlp")
+    mlp.up = nn.Linear(mlp.up.in_features, mlp.up.out_features)  # type: ignore[union-attr, arg-type]
+    with pytest.raises(ExecutionError, match="no longer points at its host copy") as info:
+        model(next(inputs(seed=15)))
+    assert info.value.name.startswith("mlp.up.") and "the module holding it was replaced" in str(info.value)
+    off.restore()
+
+
+class Recursive(nn.Module):
+    """A layer that calls itself once more (its forward re-enters through ``self(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        return self(y, again=False) if again else y
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layer_that_calls_itself_runs_with_its_weights(kind: str) -> None:
+    model = nn.Sequential(Recursive(), Recursive())
+    reference = copy.deepcopy(model)
+    off = _ready(kind, model)
+    for x in inputs(seed=16, shapes=((1, 3), (2, 5))):
+        assert torch.equal(model(x), reference(x))
+    off.restore()
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
