@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from offload.checkpoint import read_checkpoint, spec_from_checkpoint
     from offload.create import create_offloader
     from offload.describe import describe_layers
+    from offload.executors.live import LiveCheck, Location, ParamLocation, render_check
     from offload.executors.noop import NoopOffloader
     from offload.executors.prefetch import PrefetchOffloader
     from offload.executors.uva import UVAOffloader
@@ -89,6 +90,10 @@ _LAZY = {
     "spec_from_checkpoint": "offload.checkpoint",
     "read_checkpoint": "offload.checkpoint",
     "create_offloader": "offload.create",
+    "LiveCheck": "offload.executors.live",
+    "Location": "offload.executors.live",
+    "ParamLocation": "offload.executors.live",
+    "render_check": "offload.executors.live",
     "CpuRuntime": "offload.runtime.cpu",
     "CudaRuntime": "offload.runtime.cuda",
     "NoopOffloader": "offload.executors.noop",
@@ -119,6 +124,8 @@ __all__ = [
     "FitResult",
     "LayerEstimate",
     "LayerSpec",
+    "LiveCheck",
+    "Location",
     "ModelSpec",
     "NoopOffloader",
     "OffloadConfig",
@@ -128,6 +135,7 @@ __all__ = [
     "PLAN_FORMAT",
     "PRESETS",
     "PROFILES",
+    "ParamLocation",
     "ParamPlan",
     "ParamSpec",
     "PinDecision",
@@ -164,6 +172,7 @@ __all__ = [
     "profile_from_numbers",
     "protocols",
     "read_checkpoint",
+    "render_check",
     "render_estimate",
     "render_fit",
     "render_plan",

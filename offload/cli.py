@@ -448,6 +448,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo, summarize
+    from offload.executors.live import render_check
 
     env = _capture()
     try:
@@ -467,6 +468,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     print("offloader stats (offloaded steps):")
     print(render_stats(result.stats))
+    print()
+    print(render_check(result.check))
     if result.mechanics_only:
         print("no GPU here: the offloading mechanics ran for real on the CPU and were verified; "
               "nothing is faster or smaller on a CPU")

@@ -22,6 +22,7 @@ from torch import nn
 from offload.create import create_offloader
 from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError, OffloadError
+from offload.executors.live import LiveCheck
 from offload.pure.config import OffloadConfig
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.plan import Backend, OffloadPlan
@@ -144,6 +145,7 @@ class DemoResult:
         device_bytes_freed_measured: device memory released by offloading net of the
             static buffers, in bytes, as the allocator reports it; None on the CPU.
         stats: the offloader's counters after the offloaded steps.
+        check: where the offloaded model's planned parameters were after those steps.
     """
 
     plan: OffloadPlan
@@ -156,6 +158,7 @@ class DemoResult:
     offloaded_step_s: float
     device_bytes_freed_measured: int | None
     stats: OffloadStats
+    check: LiveCheck
 
 
 def _pick_device(choice: DeviceChoice) -> torch.device:
@@ -275,6 +278,7 @@ def _run(*, env: EnvSnapshot, target: torch.device, dtype: torch.dtype, layers: 
         progress("running offloaded")
         got, offloaded_s = _time_steps(model, inputs, target)
         stats = offloader.stats()
+        live = offloader.check()
     finally:
         offloader.restore()
     restored = dict(model.named_parameters())
@@ -292,6 +296,7 @@ def _run(*, env: EnvSnapshot, target: torch.device, dtype: torch.dtype, layers: 
         offloaded_step_s=offloaded_s,
         device_bytes_freed_measured=freed,
         stats=stats,
+        check=live,
     )
 
 

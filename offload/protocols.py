@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from offload.executors.live import LiveCheck
     from offload.stats import OffloadStats
 
 __all__ = ["Event", "Offloader", "Runtime"]
@@ -51,6 +52,11 @@ class Offloader(Protocol):
 
     def restore(self) -> None:
         """Put every weight back where it was, bit-identical; remove hooks; free host memory."""
+        ...
+
+    def check(self) -> LiveCheck:
+        """Where every planned parameter of the wrapped model is now, against the plan
+        (a difference is listed, never fixed)."""
         ...
 
     def stats(self) -> OffloadStats:

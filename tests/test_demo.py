@@ -29,6 +29,8 @@ def test_run_demo_on_the_cpu_is_bit_exact_and_restores() -> None:
     summary = summarize(result)
     assert summary["parity"] == "outputs equal bit for bit"
     assert "no memory saved" in summary["device"]
+    assert result.stats.steps == 4  # the warm-up and the three timed steps
+    assert result.check.ok and len(result.check.params) == len(result.plan.params)
 
 
 def test_run_demo_honours_a_config() -> None:
@@ -54,6 +56,8 @@ def test_demo_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "parity:        outputs equal bit for bit" in out
     assert "restore:       every weight restored bit for bit" in out
     assert "verified" in out and "backend:  prefetch" in out
+    assert "offloader stats (offloaded steps):" in out and "\ncopied per step" in out
+    assert "live check: every planned parameter is where the plan says" in out
 
 
 def test_demo_command_bad_width_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

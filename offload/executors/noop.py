@@ -10,6 +10,7 @@ from torch import nn
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.executors.hoststore import HostStore
+from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, move_resident, unmark
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan
@@ -101,6 +102,16 @@ class NoopOffloader:
         unmark(self._layers)
         self._layers = []
         self._wrapped = False
+
+    def check(self) -> LiveCheck:
+        """Where every planned parameter is now (all resident: on the device).
+
+        Raises:
+            ExecutionError: the model is not wrapped.
+        """
+        if not self._wrapped:
+            raise ExecutionError("check needs a wrapped model", name="state", value="new")
+        return inspect_params(self._plan, self._layers, self._rt, ready=True)
 
     def stats(self) -> OffloadStats:
         """All zero: nothing is offloaded or copied."""

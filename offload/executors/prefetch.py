@@ -48,6 +48,7 @@ from offload.executors.common import (
     unpatch_forward,
 )
 from offload.executors.hoststore import HostStore
+from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import (
     Restorer,
     claim,
@@ -596,6 +597,21 @@ class PrefetchOffloader:
             copy_seconds=self._rt.copy_seconds(),
             timed_bytes=self._timed_bytes,
         )
+
+    def check(self) -> LiveCheck:
+        """Where every planned parameter is now: slots after post_init, host copies before
+        (see `offload.executors.live`).
+
+        Raises:
+            ExecutionError: the model is not wrapped.
+        """
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+            raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        slots = [t for buffers in self._buffers.values() for t in buffers.values()]
+        hosts = [h for ref in self._host if (h := self._host.get(ref)) is not None]
+        return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
+                              slots=slots, hosts=hosts)
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward

@@ -50,6 +50,7 @@ from offload.executors.common import (
     unpatch_forward,
 )
 from offload.executors.hoststore import HostStore
+from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import (
     Restorer,
     claim,
@@ -524,6 +525,22 @@ class UVAOffloader:
             pin_fallbacks=self._host.fallbacks,
             steps=self._steps,
         )
+
+    def check(self) -> LiveCheck:
+        """Where every planned parameter is now: device views for UVA, host copies for on
+        demand (see `offload.executors.live`; a UVA weight whose pinning fell back shows as
+        a difference: it runs on demand).
+
+        Raises:
+            ExecutionError: the model is not wrapped.
+        """
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+            raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        views = [self._data[owner] for owner in self._viewed if owner in self._data]
+        hosts = [h for ref in self._host if (h := self._host.get(ref)) is not None]
+        return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
+                              views=views, hosts=hosts)
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward

@@ -20,6 +20,7 @@ from torch import nn
 from offload.describe import describe_layers, storage_key
 from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
+from offload.executors.live import LiveCheck
 from offload.hf.layers import find_layers
 from offload.protocols import Offloader, Runtime
 from offload.pure.config import OffloadConfig
@@ -214,6 +215,11 @@ class ModelOffloader:
     def stats(self) -> OffloadStats:
         """The layers' executor's counters (see `Offloader.stats`)."""
         return self._inner.stats()
+
+    def check(self) -> LiveCheck:
+        """Where the layers' planned parameters are (see `Offloader.check`; the tensors
+        outside the layers are resident on the device and not listed)."""
+        return self._inner.check()
 
 
 def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | None, device_budget_bytes: int | None,

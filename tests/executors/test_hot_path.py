@@ -134,7 +134,7 @@ def test_a_submodule_replaced_after_post_init_is_refused_on_demand(kind: str) ->
     mlp.up = nn.Linear(mlp.up.in_features, mlp.up.out_features)  # type: ignore[union-attr, arg-type]
     with pytest.raises(ExecutionError, match="no longer points at its host copy") as info:
         model(next(inputs(seed=15)))
-    assert info.value.name.startswith("mlp.up.") and "the module holding it was replaced" in str(info.value)
+    assert str(info.value.name).startswith("mlp.up.") and "the module holding it was replaced" in str(info.value)
     off.restore()
 
 
