@@ -9,8 +9,18 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
-from offload import CpuRuntime, ExecutionError, OffloadConfig, create_offloader, render_stats, render_stats_line
+from offload import (
+    CpuRuntime,
+    ExecutionError,
+    OffloadConfig,
+    OffloadPlan,
+    PrefetchOffloader,
+    create_offloader,
+    render_stats,
+    render_stats_line,
+)
 from offload.stats import OffloadStats
 from tests.executors.fakes import COPY_SECONDS_PER_BYTE, WAIT_SECONDS, FakeRuntime, Wait
 from tests.executors.helpers import cpu_plan, inputs, pinned_plan, prefetch, uva
@@ -25,13 +35,19 @@ def _shapes(n: int) -> tuple[tuple[int, int], ...]:
     return ((1, 3),) * n
 
 
-def test_prefetch_steps_and_per_step_figures_add_up_to_the_totals() -> None:
-    model = transformer_model(4)
+def _ready(layers: int) -> tuple[nn.Module, OffloadPlan, FakeRuntime, PrefetchOffloader]:
+    """A pinned prefetch plan of `layers` blocks, wrapped and post_init'ed on a fake runtime."""
+    model = transformer_model(layers)
     plan = pinned_plan(model, PREFETCH)
     runtime = FakeRuntime()
     off = prefetch(plan, runtime)
     off.wrap_modules(layer_list(model))
     off.post_init()
+    return model, plan, runtime, off
+
+
+def test_prefetch_steps_and_per_step_figures_add_up_to_the_totals() -> None:
+    model, plan, runtime, off = _ready(4)
     before = off.stats()
     assert before.steps == 0 and before.bytes_per_step is None and before.wait_seconds_per_step is None
     for x in inputs(seed=1, shapes=_shapes(FORWARDS)):
@@ -52,12 +68,7 @@ def test_prefetch_steps_and_per_step_figures_add_up_to_the_totals() -> None:
 
 
 def test_copies_issued_inside_a_capture_are_not_timed() -> None:
-    model = transformer_model(3)
-    plan = pinned_plan(model, PREFETCH)
-    runtime = FakeRuntime()
-    off = prefetch(plan, runtime)
-    off.wrap_modules(layer_list(model))
-    off.post_init()
+    model, _, runtime, off = _ready(3)
     x = next(inputs(seed=2, shapes=_shapes(1)))
     model(x)
     eager = off.stats()
@@ -121,10 +132,7 @@ def test_render_stats_shows_each_figure_and_the_ratio_to_the_link() -> None:
 
 
 def test_log_stats_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
-    model = transformer_model(3)
-    off = prefetch(pinned_plan(model, PREFETCH), FakeRuntime())
-    off.wrap_modules(layer_list(model))
-    off.post_init()
+    model, _, _, off = _ready(3)
     off.log_stats_every(steps=2)
     with caplog.at_level(logging.INFO, logger="offload.stats"):
         for x in inputs(seed=5, shapes=_shapes(FORWARDS)):
