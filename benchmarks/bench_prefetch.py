@@ -32,6 +32,7 @@ from torch import nn
 
 from offload import OffloadConfig, PrefetchOffloader, capture_env, create_offloader, describe_layers, make_plan
 from offload.graphs import capture_forward
+from offload.runtime.numa_bandwidth import numa_bandwidth_lines
 
 LAYERS = 24
 HIDDEN = 4096
@@ -96,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_prefetch: CUDA is not available; this benchmark needs a CUDA GPU. Nothing measured.")
+        print(*numa_bandwidth_lines(capture_env(os.environ).platform.numa), sep="\n")
         return 0
 
     torch.manual_seed(0)
@@ -120,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {LAYERS} bf16 layers of "
           f"{HIDDEN}x{INNER} + {INNER}x{HIDDEN} (256 MiB each), prefetch_step {PREFETCH_STEP}")
     print(f"pinned host-to-device bandwidth (1 GiB copy): {bandwidth / 1e9:.1f} GB/s")
+    print(*numa_bandwidth_lines(env.platform.numa), sep="\n")  # registered, local vs remote node
     header = (f"{'mode':<6} {'tokens':>6} {'offload':>9} {'GiB/step':>8} {'step ms':>9} {'resident ms':>11} "
               f"{'GB/s':>6} {'limit ms':>9} {'ratio':>6} {'wait ms':>8}  target")
     print(header)

@@ -42,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from offload import CudaRuntime, PinMethod
+from offload import CudaRuntime, PinMethod, capture_env
+from offload.runtime.numa_bandwidth import numa_bandwidth_lines
 
 HIDDEN, INNER = 4096, 16384
 TOKENS = (1, 16, 256)
@@ -237,11 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_uva: CUDA is not available; this benchmark needs a CUDA GPU. Nothing measured.")
+        print(*numa_bandwidth_lines(capture_env({}).platform.numa), sep="\n")
         return 0
     runtime = CudaRuntime()
     copy_bw = pinned_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"pinned host-to-device copy bandwidth (1 GiB): {copy_bw / 1e9:.1f} GB/s")
+    print(*numa_bandwidth_lines(capture_env({}).platform.numa), sep="\n")  # registered, local vs remote node
     rows = read_bandwidth_rows(runtime, copy_bw)
     torch.cuda.empty_cache()
     rows += host_memory_rows(runtime)

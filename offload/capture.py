@@ -9,7 +9,9 @@ This is the only module in `offload` that reads ``os.environ``, ``torch.cuda`` a
 - `read_proc_text`, `TorchCudaProbe` and `torch_cuda_probe` are the real effects: open a
   file, ask torch, call ``cudaDeviceGetAttribute`` through ctypes on the libcudart that
   torch loaded.
-- `capture_env` wires the real effects together.
+- `capture_env` wires the real effects together, and adds what `offload.numa_probe` (NUMA
+  nodes) and `offload.cgroup_probe` (the cgroup's memory limit, read under a root
+  directory that tests point at a fake tree) find.
 
 Whatever cannot be read gets a safe assumption, one line in `Platform.probe_notes` saying
 what was assumed, and a log message (warning on a CUDA machine, where it matters; debug
@@ -27,6 +29,8 @@ from typing import Any, Protocol, final
 import attrs
 import torch
 
+from offload.cgroup_probe import with_cgroup_memory
+from offload.numa_probe import with_numa_topology
 from offload.pure.env import EnvSnapshot, Platform, parse_env
 from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
 
@@ -435,4 +439,6 @@ def capture_env(environ: Mapping[str, str] = os.environ) -> EnvSnapshot:
     platform = probe_platform(
         read_proc_text, torch_cuda_probe(read_proc_text), torch_version=str(torch.__version__)
     )
+    platform = with_numa_topology(platform)  # sysfs: the host's NUMA nodes and the GPU's
+    platform = with_cgroup_memory(platform)  # the cgroup's memory limit, which the OOM killer enforces
     return EnvSnapshot(flags=flags, platform=platform)

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, TextIO
 import attrs
 
 from offload.errors import ConfigError, ExecutionError, OffloadError
+from offload.pure.admission import host_room
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
@@ -402,6 +403,40 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cgroup_rows(platform: Platform) -> list[list[str]]:
+    """`offload env`'s lines for the cgroup's memory limit and the host memory left."""
+    cgroup = platform.cgroup_memory
+
+    def shown(value: int | None, none: str) -> str:
+        return none if value is None else f"{value} ({format_bytes(value)})"
+
+    limit_none = "unlimited" if cgroup.state == "unlimited" else "unknown"
+    version = f"v{cgroup.version}" if cgroup.version else "unknown"
+    rows = [
+        ["  cgroup_memory.state", f"{cgroup.state} (cgroup {version})"],
+        ["  cgroup_memory.limit_bytes", shown(cgroup.limit_bytes, limit_none)],
+        ["  cgroup_memory.current_bytes", shown(cgroup.current_bytes, "unknown")],
+        ["  cgroup_memory.reclaimable_bytes", shown(cgroup.reclaimable_bytes, "unknown")],
+        ["  cgroup_memory.headroom_bytes", shown(cgroup.headroom_bytes, limit_none)],
+        ["  cgroup_memory.limit_path", cgroup.limit_path or "(none)"],
+        ["  cgroup_memory.cgroup_path", cgroup.cgroup_path or "(unknown)"],
+    ]
+    room, source = host_room(platform)
+    rows.append(["  host memory for new allocations", f"{shown(room, 'unknown')}: {source}"])
+    return rows
+
+
+def _host_memory_data(platform: Platform) -> dict[str, Any]:
+    """`offload env --json`'s summary of the host memory a plan may take."""
+    room, source = host_room(platform)
+    return {
+        "cgroup_state": platform.cgroup_memory.state,
+        "cgroup_headroom_bytes": platform.cgroup_memory.headroom_bytes,
+        "available_bytes": room,
+        "available_source": source,
+    }
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     snapshot = _capture()
     pin = decide_pinning(snapshot)
@@ -413,6 +448,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
             "pin": to_data(pin),
             "uva": to_data(uva),
             "coherent_unified_memory": snapshot.platform.is_coherent_unified_memory,
+            "host_memory": _host_memory_data(snapshot.platform),
         }
         print(json.dumps(document, indent=2))
         return 0
@@ -424,6 +460,9 @@ def _cmd_env(args: argparse.Namespace) -> int:
     rows = []
     for field in attrs.fields(Platform):
         if field.name == "probe_notes":
+            continue
+        if field.name == "cgroup_memory":
+            rows.extend(_cgroup_rows(snapshot.platform))
             continue
         value = getattr(snapshot.platform, field.name)
         if value is None:

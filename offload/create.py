@@ -13,7 +13,8 @@ __all__ = ["create_offloader", "default_runtime"]
 
 
 def default_runtime(plan: OffloadPlan) -> Runtime:
-    """`CudaRuntime` for a plan made for a CUDA platform, `CpuRuntime` otherwise.
+    """`CudaRuntime` for a plan made for a CUDA platform (placing host copies on the
+    plan's NUMA node, `OffloadPlan.host_numa`), `CpuRuntime` otherwise.
 
     Raises:
         ExecutionError: the plan is for CUDA and this process has no CUDA device.
@@ -22,7 +23,7 @@ def default_runtime(plan: OffloadPlan) -> Runtime:
         return CpuRuntime()
     from offload.runtime.cuda import CudaRuntime
 
-    return CudaRuntime()
+    return CudaRuntime(numa_node=plan.host_numa.node)
 
 
 def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None) -> Offloader:

@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from offload.errors import PlanError
-from offload.pure.spec import LayerSpec, ModelSpec, ParamSpec
+from offload.pure.spec import (
+    LayerSpec,
+    ModelSpec,
+    ParamSpec,
+    param_sizes,
+    trusted_layer_spec,
+    trusted_model_spec,
+    trusted_param_spec,
+)
 
 __all__ = ["describe_layers", "describe_tensor", "dtype_name", "storage_key"]
 
@@ -40,24 +48,136 @@ def storage_key(tensor: torch.Tensor) -> str | None:
         pointer 0, e.g. empty ones) and tensors whose storage cannot be accessed (sparse
         and some subclasses).
     """
+    device = tensor.device
+    where = _storage_where(tensor, str(device), device.type == "meta")
+    if where is None:
+        return None
+    shape = tuple(int(size) for size in tensor.shape)
+    stride = tuple(int(step) for step in tensor.stride())
+    return f"{where}+{tensor.storage_offset()}{_key_suffix(shape, stride, dtype_name(tensor.dtype))}"
+
+
+def _storage_where(tensor: torch.Tensor, device: str, is_meta: bool) -> str | None:
+    """The storage part of `storage_key`: which storage, or None when it cannot be told."""
     try:
         storage = tensor.untyped_storage()
-        if tensor.device.type == "meta":
-            where = f"meta@storage{int(storage._cdata):#x}"
-        elif (pointer := storage.data_ptr()) != 0:
-            where = f"{tensor.device}@{pointer:#x}"
-        else:
-            return None
+        if is_meta:
+            return f"meta@storage{hex(storage._cdata)}"
+        pointer = storage.data_ptr()
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
-    shape = "x".join(str(size) for size in tensor.shape)
-    stride = ",".join(str(step) for step in tensor.stride())
-    return f"{where}+{tensor.storage_offset()}:{shape}/{stride}:{dtype_name(tensor.dtype)}"
+    return f"{device}@{hex(pointer)}" if pointer != 0 else None
+
+
+def _key_suffix(shape: tuple[int, ...], stride: tuple[int, ...], dtype: str) -> str:
+    """The view part of `storage_key`, after the storage offset."""
+    return f":{'x'.join(map(str, shape))}/{','.join(map(str, stride))}:{dtype}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+_STRIDED = torch.strided
+
+
+#: What parameters with equal sizes, strides, dtype and device have in common: shape,
+#: stride, dtype name, itemsize, device name, whether on the meta device, numel, nbytes,
+#: and the end of their storage keys. A plain tuple: it is unpacked once per parameter.
+_Metadata = tuple[tuple[int, ...], tuple[int, ...], str, int, str, bool, int, int, str]
+
+#: `_Metadata` by (sizes, strides, dtype, device), for one `describe_layers` call: the
+#: layers of a model repeat a few kinds of parameter thousands of times.
+_Memo = dict[tuple[object, ...], _Metadata]
+
+
+def _metadata(name: str, tensor: torch.Tensor, device: torch.device) -> _Metadata:
+    shape = tuple(int(size) for size in tensor.shape)
+    stride = tuple(int(step) for step in tensor.stride())
+    dtype = dtype_name(tensor.dtype)
+    itemsize = tensor.element_size()
+    where = str(device)
+    # The rules of a ParamSpec, checked once for all parameters with this metadata (the
+    # name and storage key, which differ, torch and `storage_key` make valid).
+    ParamSpec(name=name, shape=shape, stride=stride, dtype=dtype, itemsize=itemsize, device=where)
+    numel, nbytes = param_sizes(shape, stride, itemsize)
+    return (shape, stride, dtype, itemsize, where, device.type == "meta", numel, nbytes,
+            _key_suffix(shape, stride, dtype))
+
+
+#: Groups of parameters, each as a prefix for their names and (name, tensor) pairs.
+_Named = Iterable[tuple[str, Iterable[tuple[str, torch.Tensor | None]]]]
+
+
+def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, ...]:
+    """`describe_tensor` of each named tensor (None ones skipped), with the metadata of a
+    kind of parameter already seen taken from `memo`: what is left per parameter is its
+    name and storage key. One loop for a whole layer, as a large model has tens of
+    thousands of parameters.
+
+    Args:
+        layer_index: for errors.
+        named: (prefix, pairs): each pair's name is ``prefix + "." + name``, or ``name``
+            where the prefix is empty.
+        memo: the `_Metadata` of the kinds seen so far.
+    """
+    specs: list[ParamSpec] = []
+    append, build, known, strided = specs.append, trusted_param_spec, memo.get, _STRIDED
+    for prefix, pairs in named:
+        dot = f"{prefix}." if prefix else ""
+        for relative, tensor in pairs:
+            if tensor is None:
+                continue
+            name = dot + relative
+            if tensor.layout != strided:
+                raise PlanError(
+                    f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
+                    "only strided (dense) tensors can be offloaded",
+                    name=name,
+                    value=str(tensor.layout),
+                )
+            device = tensor.device
+            try:
+                kind = (tensor.shape, tensor.stride(), tensor.dtype, device)
+                meta = known(kind)
+                if meta is None:
+                    meta = memo[kind] = _metadata(name, tensor, device)
+            except TypeError:  # symbolic sizes do not hash: describe this one on its own
+                meta = _metadata(name, tensor, device)
+            shape, stride, dtype, itemsize, where, is_meta, numel, nbytes, suffix = meta
+            # storage_key(tensor) from the parts in `meta` (the same text: a test holds them equal).
+            key: str | None
+            try:
+                storage = tensor.untyped_storage()
+                if is_meta:
+                    key = f"meta@storage{hex(storage._cdata)}+{tensor.storage_offset()}{suffix}"
+                else:
+                    pointer = storage.data_ptr()
+                    key = f"{where}@{hex(pointer)}+{tensor.storage_offset()}{suffix}" if pointer != 0 else None
+            except (RuntimeError, NotImplementedError, AttributeError):
+                key = None
+            append(build(name, shape, stride, dtype, itemsize, key, where, numel, nbytes))
+    return tuple(specs)
+
+
+_NAMED_PARAMETERS = nn.Module.named_parameters
+_NAMED_MEMBERS = nn.Module._named_members
+
+
+def _named_parameters(layer: nn.Module) -> _Named:
+    """``layer.named_parameters(remove_duplicate=False)`` as `_describe` reads it: the
+    same names and tensors in the same order (a test holds them equal).
+
+    Where `layer` lists its parameters as ``nn.Module`` does, they are read off
+    ``named_modules`` directly: ``named_parameters`` checks each parameter against a memo
+    of those seen, which is always empty without removing duplicates but hashes the
+    tensor (in Python) all the same, a good part of describing a large model.
+    """
+    kind = type(layer)
+    if kind.named_parameters is not _NAMED_PARAMETERS or kind._named_members is not _NAMED_MEMBERS:
+        return (("", layer.named_parameters(remove_duplicate=False)),)
+    return ((prefix, module._parameters.items()) for prefix, module in layer.named_modules(remove_duplicate=False))
 
 
 def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamSpec:
@@ -66,22 +186,7 @@ def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamS
     Raises:
         PlanError: the tensor is not dense (strided).
     """
-    if tensor.layout != torch.strided:
-        raise PlanError(
-            f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
-            "only strided (dense) tensors can be offloaded",
-            name=name,
-            value=str(tensor.layout),
-        )
-    return ParamSpec(
-        name=name,
-        shape=tuple(int(size) for size in tensor.shape),
-        stride=tuple(int(step) for step in tensor.stride()),
-        dtype=dtype_name(tensor.dtype),
-        itemsize=tensor.element_size(),
-        storage_key=storage_key(tensor),
-        device=str(tensor.device),
-    )
+    return _describe(layer_index, (("", ((name, tensor),)),), {})[0]
 
 
 def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
@@ -112,6 +217,7 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
             value=given,
         )
     specs: list[LayerSpec] = []
+    memo: _Memo = {}
     for index, item in enumerate(given):
         layer: object = item
         if not isinstance(layer, nn.Module):
@@ -120,9 +226,8 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
                 name=f"layers[{index}]",
                 value=layer,
             )
-        params = tuple(
-            describe_tensor(index, name, param)
-            for name, param in layer.named_parameters(remove_duplicate=False)
-        )
-        specs.append(LayerSpec(index=index, name=type(layer).__name__, params=params))
-    return ModelSpec(layers=tuple(specs))
+        params = _describe(index, _named_parameters(layer), memo)
+        # Built without checking again: indices count from 0 here, and the names of one
+        # module's named_parameters() are unique.
+        specs.append(trusted_layer_spec(index, type(layer).__name__, params))
+    return trusted_model_spec(tuple(specs))

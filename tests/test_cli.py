@@ -23,6 +23,7 @@ from offload import (
     preset_spec,
 )
 from offload.cli import DEFAULT_PREFETCH, main
+from offload.pure.admission import NOT_CHECKED
 from offload.pure.presets import preset_outside_bytes
 from offload.pure.serialize import from_data
 from offload.pure.units import GIB
@@ -73,9 +74,12 @@ def test_plan_default_is_prefetch_4_1_2_on_llama_70b(capsys: pytest.CaptureFixtu
     # llama-70b has 80 layers; group 4, one per group: layers 3, 7, ..., 79.
     assert plan.offloaded_layers == tuple(range(3, 80, 4))
     expected = make_plan(preset_spec("llama-70b"), DEFAULT_PREFETCH, capture_env(os.environ))
-    # Warning texts may quote available host memory, which moves between two captures.
-    assert attrs.evolve(plan, warnings=()) == attrs.evolve(expected, warnings=())
+    # Warning texts and the host memory check quote available host memory, which moves
+    # between two captures.
+    assert attrs.evolve(plan, warnings=(), host_admission=NOT_CHECKED) == attrs.evolve(
+        expected, warnings=(), host_admission=NOT_CHECKED)
     assert plan.warning_codes() == expected.warning_codes()
+    assert plan.host_admission.verdict is expected.host_admission.verdict
 
 
 def test_plan_text_says_it_used_the_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -400,3 +404,51 @@ def test_fit_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], arg
     assert out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert needle in err
+
+
+# ---- host memory (issue 12, item 1) ---------------------------------------------------
+
+
+def test_env_text_shows_the_cgroup_limit_and_the_room_left(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "env")
+    assert code == 0
+    cgroup = capture_env(os.environ).platform.cgroup_memory
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert f"{cgroup.state} (cgroup v{cgroup.version})" in lines["cgroup_memory.state"]
+    limit = "unlimited" if cgroup.limit_bytes is None else str(cgroup.limit_bytes)
+    assert lines["cgroup_memory.limit_bytes"].split()[1] == limit
+    assert cgroup.limit_path in lines["cgroup_memory.limit_path"]
+    room = [line for line in out.splitlines() if "host memory for new allocations" in line]
+    assert len(room) == 1 and ("MemAvailable" in room[0] or "cgroup" in room[0])
+
+
+def test_env_json_has_the_cgroup_and_the_host_memory_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "env", "--json")
+    assert code == 0
+    document = json.loads(out)
+    cgroup = capture_env(os.environ).platform.cgroup_memory
+    written = document["snapshot"]["platform"]["cgroup_memory"]
+    assert (written["version"], written["limit_bytes"], written["limit_path"]) == (
+        cgroup.version, cgroup.limit_bytes, cgroup.limit_path)
+    assert document["host_memory"]["cgroup_state"] == cgroup.state
+    assert document["host_memory"]["available_bytes"] > 0
+
+
+def test_plan_text_shows_the_host_memory_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-8b")
+    assert code == 0
+    (head,) = [line for line in out.splitlines() if line.startswith("host mem:")]
+    assert head.startswith("host mem: fits:")  # this machine: the layers stay in host memory
+    assert "the host's MemAvailable" in out
+    # A hypothetical device knows nothing of the host it would run on.
+    code, out, _ = run(capsys, "plan", "llama-8b", "--device-gib", "16")
+    assert code == 0
+    assert "host mem: unknown: the plan needs 3.25 GiB of new host memory" in out
+
+
+def test_plan_json_carries_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama-8b", "--json")
+    assert code == 0
+    plan = OffloadPlan.from_json(out)
+    assert plan.host_admission.verdict.value == json.loads(out)["plan"]["host_admission"]["verdict"] == "fits"
+    assert plan.config.host_check == "refuse"

@@ -27,6 +27,7 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors.common import Ref, find_parameter, host_of, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.protocols import Runtime
+from offload.pure.admission import HostFit
 from offload.pure.moves import Move, WhereKind, restore_target, where_kind
 from offload.pure.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
@@ -38,6 +39,7 @@ __all__ = [
     "Undo",
     "ViewGroup",
     "OffloadMark",
+    "admit",
     "assign",
     "claim",
     "describe_moves",
@@ -146,6 +148,34 @@ class OffloadMark:
 
     def __repr__(self) -> str:
         return f"OffloadMark({self.owner})"
+
+
+def admit(plan: OffloadPlan) -> None:
+    """Refuse a plan whose host memory does not fit the machine, before anything moves.
+
+    Reads the verdict `make_plan` recorded (`OffloadPlan.host_admission`) and obeys
+    ``plan.config.host_check``: "refuse" raises, "warn" logs a warning and returns, "off"
+    returns. A plan that fits, or whose fit is unknown, always passes.
+
+    Raises:
+        ExecutionError: the plan does not fit and host_check is "refuse"; the message has
+            the numbers and the limit that binds, ``name`` that limit (``"cgroup"``,
+            ``"host_available"``, ``"memlock"``, ``"device"``), ``value`` (bytes needed,
+            bytes allowed).
+    """
+    admission = plan.host_admission
+    mode = plan.config.host_check
+    if mode == "off" or admission.verdict is not HostFit.DOES_NOT_FIT:
+        return
+    check = admission.binding_check
+    name = admission.binding.value if admission.binding is not None else "host_check"
+    value = (check.needed_bytes, check.allowed_bytes) if check is not None else None
+    if mode == "refuse":
+        raise ExecutionError(
+            f"refusing to offload, nothing was moved: the plan {admission.message}. Free memory, offload less, or "
+            "pass OffloadConfig(host_check='warn') to offload anyway (the kernel may kill the process)",
+            name=name, value=value)
+    log.warning("host memory check (host_check='warn', offloading anyway): the plan %s", admission.message)
 
 
 def claim(layers: Sequence[nn.Module], owner: object) -> None:
@@ -412,10 +442,13 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
         offloaded parameters that are views of one storage (`view_groups`).
 
     Raises:
+        ExecutionError: from `admit`, before anything moved: the plan's host memory does
+            not fit and ``config.host_check`` is "refuse".
         PlanError: from `find_moves`, before anything moved.
         BaseException: whatever failed while moving, after every change was undone (the
             caller releases what the store holds and reports the error).
     """
+    admit(plan)
     found = find_moves(plan, layers, runtime.device)
     views = view_groups(plan, found)
     undo = Undo()

@@ -4,7 +4,9 @@ Nothing in this package imports torch, reads the process environment, files, clo
 logs. Inputs and outputs are immutable values; the same inputs always give the same plan.
 """
 
-from offload.pure.config import BackendName, OffloadConfig, segment_matches
+from offload.pure.admission import HostAdmission, HostFit, HostLimit, LimitCheck, decide_host_admission
+from offload.pure.cgroup import CgroupMemory
+from offload.pure.config import BackendName, HostCheck, OffloadConfig, segment_matches
 from offload.pure.decisions import (
     PinDecision,
     PinMethod,
@@ -50,6 +52,7 @@ __all__ = [
     "BackendReason",
     "BufferPlan",
     "COMPUTE_DEVICE",
+    "CgroupMemory",
     "DTYPE_ITEMSIZE",
     "DeviceProfile",
     "ENV_VARIABLES",
@@ -57,8 +60,13 @@ __all__ = [
     "EnvSnapshot",
     "FitCandidate",
     "FitResult",
+    "HostAdmission",
+    "HostCheck",
+    "HostFit",
+    "HostLimit",
     "LayerEstimate",
     "LayerSpec",
+    "LimitCheck",
     "ModelSpec",
     "OffloadConfig",
     "OffloadPlan",
@@ -81,6 +89,7 @@ __all__ = [
     "Workload",
     "check_schedule",
     "contiguous_stride",
+    "decide_host_admission",
     "decide_pinning",
     "decide_uva",
     "estimate",

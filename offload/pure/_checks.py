@@ -15,6 +15,7 @@ import attrs
 from offload.errors import OffloadError
 
 __all__ = [
+    "VOLATILE",
     "check_int_at_least",
     "check_positive_number",
     "fraction",
@@ -31,6 +32,11 @@ __all__ = [
 ]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+#: Field metadata key marking a reading that changes from moment to moment (free memory,
+#: a cgroup's usage); such fields are left out of `EnvSnapshot.fingerprint`. Here, not in
+#: `offload.pure.env`, because the values `Platform` holds mark fields with it too.
+VOLATILE = "offload.volatile"
 
 
 def is_int(value: object) -> TypeGuard[int]:

@@ -5,8 +5,10 @@ says, so a plan read back from a hand-edited file must hold every index a fresh 
 holds: parameters in layers of the model, in layer order, once each, placed as their
 backend runs; offloaded layers in range, increasing, each with a PREFETCH parameter; ties
 pointing back at the first parameter of their storage; buffers once each, every slot used.
-The checks are O(n) dict and set work, in C where possible: `make_plan` builds plans of
-tens of thousands of parameters within a time budget (``benchmarks/bench_plan.py``).
+The checks are O(n) dict and set work, in C where possible, for plans of tens of
+thousands of parameters. `make_plan` builds its plans without them
+(`offload.pure.plan.trusted_offload_plan`, for its time budget in
+``benchmarks/bench_plan.py``); the tests hold every plan it makes to them.
 """
 
 from __future__ import annotations

@@ -8,11 +8,18 @@ import attrs
 
 from offload.errors import ConfigError
 from offload.pure._checks import int_at_least, is_bool, one_of
+from offload.pure.numa_topology import NumaRequest, numa_request
 
-__all__ = ["BackendName", "OffloadConfig", "segment_matches"]
+__all__ = ["BackendName", "HostCheck", "OffloadConfig", "segment_matches"]
 
 BackendName = Literal["auto", "prefetch", "uva", "none"]
 _BACKENDS: tuple[str, ...] = get_args(BackendName)
+
+#: What the executors do with a plan whose host memory does not fit
+#: (`OffloadPlan.host_admission`): refuse it before moving anything, warn and go on, or
+#: not check at all.
+HostCheck = Literal["refuse", "warn", "off"]
+_HOST_CHECKS: tuple[str, ...] = get_args(HostCheck)
 
 
 def _filter(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -68,6 +75,14 @@ class OffloadConfig:
             instead of being offloaded or moved to the device (the default). For models
             a user splits between host and device on purpose; such parameters must be
             used by code that expects them on the host.
+        numa_node: the NUMA node for pinned host copies: "auto" (the GPU's node on a
+            multi-node host), a node number (which must be one of the host's: checked by
+            `make_plan`), or None (no placement).
+        host_check: when the host memory the plan takes does not fit what the machine
+            allows (MemAvailable, the cgroup's memory limit, the locked-memory limit; see
+            `offload.pure.admission`): "refuse" (the default) makes ``wrap_modules`` raise
+            before it moves anything, "warn" logs a warning and offloads anyway, "off"
+            checks nothing (the verdict is still recorded in the plan).
 
     Raises:
         ConfigError: at construction, for a bad value or combination, naming it.
@@ -80,6 +95,8 @@ class OffloadConfig:
     uva_max_bytes: int = attrs.field(default=0, validator=int_at_least(0, ConfigError))
     param_filter: tuple[str, ...] = attrs.field(default=(), validator=_filter)
     keep_host_params: bool = attrs.field(default=False, validator=is_bool(ConfigError))
+    numa_node: NumaRequest = attrs.field(default="auto", validator=numa_request(ConfigError))
+    host_check: HostCheck = attrs.field(default="refuse", validator=one_of(_HOST_CHECKS, ConfigError))
 
     def __attrs_post_init__(self) -> None:
         if self.group_size > 0 and self.num_in_group > self.group_size:

@@ -14,7 +14,9 @@ from collections.abc import Mapping
 import attrs
 
 from offload.errors import EnvError, PlanError
-from offload.pure._checks import int_at_least, is_bool, is_str, tuple_of
+from offload.pure._checks import VOLATILE, int_at_least, is_bool, is_str, tuple_of
+from offload.pure.cgroup import CgroupMemory, cgroup_memory
+from offload.pure.numa_topology import NumaTopology, numa_topology
 
 __all__ = [
     "ENV_VARIABLES",
@@ -110,9 +112,9 @@ def parse_env(environ: Mapping[str, str]) -> EnvFlags:
     return EnvFlags(**values)
 
 
-#: Field metadata key marking a reading that changes from moment to moment (free memory);
-#: such fields are left out of `EnvSnapshot.fingerprint`.
-VOLATILE = "offload.volatile"
+# `VOLATILE` (from `offload.pure._checks`, re-exported here) marks a reading that changes
+# from moment to moment (free memory, a cgroup's usage); such fields are left out of
+# `EnvSnapshot.fingerprint`, in `Platform` and in the values it holds.
 
 
 @attrs.frozen(kw_only=True)
@@ -145,6 +147,10 @@ class Platform:
             bytes; None when unknown.
         torch_version: ``torch.__version__``, empty when torch was not consulted.
         probe_notes: what the probe could not read and assumed instead, one line each.
+        numa: the host's NUMA nodes and the GPU's node (`NumaTopology`; unknown by default).
+        cgroup_memory: the memory limit of this process's cgroup, which the OOM killer
+            enforces (`CgroupMemory`: limit and usage in bytes; unlimited and unknown told
+            apart; unknown by default).
     """
 
     has_cuda: bool = attrs.field(default=False, validator=is_bool(PlanError))
@@ -165,6 +171,8 @@ class Platform:
     )
     torch_version: str = attrs.field(default="", validator=is_str(PlanError))
     probe_notes: tuple[str, ...] = attrs.field(default=(), validator=tuple_of(str, PlanError))
+    numa: NumaTopology = attrs.field(factory=NumaTopology, validator=numa_topology(PlanError))
+    cgroup_memory: CgroupMemory = attrs.field(factory=CgroupMemory, validator=cgroup_memory(PlanError))
 
     @property
     def is_coherent_unified_memory(self) -> bool:

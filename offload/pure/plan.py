@@ -3,7 +3,8 @@
 `make_plan` (in `offload.pure.planner`) builds it; executors only read it. A plan
 round-trips through JSON without loss (`to_json` / `from_json`) and is checked on
 construction (`offload.pure._plan_rules`), so a plan read back from a file is held to
-the same rules as a fresh one.
+the same rules as a fresh one. (`make_plan` itself builds its plans with the trusted
+builders at the end of this module, for speed; the tests hold its plans to those rules.)
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import attrs
 
 from offload.errors import OffloadError, PlanError
 from offload.pure._checks import int_at_least, is_str, one_of, tuple_of, tuple_of_ints
+from offload.pure._slots import slot_setters
+from offload.pure.admission import NOT_CHECKED, HostAdmission
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
 from offload.pure.moves import Move, decide_move, where_kind
+from offload.pure.numa import HostNuma
 from offload.pure.schedule import PrefetchSchedule
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
 from offload.pure.spec import ParamSpec
@@ -32,6 +36,8 @@ __all__ = [
     "Placement",
     "PlanWarning",
     "WarningCode",
+    "trusted_offload_plan",
+    "trusted_param_plan",
 ]
 
 #: The ``format`` tag of a serialised plan; bumped when the layout changes.
@@ -87,6 +93,7 @@ class WarningCode(enum.Enum):
     TIED_KEPT_RESIDENT = "tied_kept_resident"
     PLAN_REVISED = "plan_revised"
     HOST_PARAMS_KEPT = "host_params_kept"
+    DEVICE_MEMORY_SHORT = "device_memory_short"
 
 
 @attrs.frozen(kw_only=True)
@@ -201,6 +208,31 @@ class ParamPlan:
         return self.param.buffer_key
 
 
+# The trusted builders create instances without their __init__ (see _slots).
+_NEW = object.__new__
+_SET_LAYER, _SET_PARAM, _SET_PLACEMENT, _SET_SLOT, _SET_TIED_TO = slot_setters(
+    ParamPlan, ("layer", "param", "placement", "slot", "tied_to")
+)
+
+
+def trusted_param_plan(
+    layer: int, param: ParamSpec, placement: Placement, slot: int | None, tied_to: tuple[int, str] | None
+) -> ParamPlan:
+    """A `ParamPlan` equal to ``ParamPlan(layer=layer, ...)``, built without checking it.
+
+    For `make_plan`, which derives every field from a validated `ModelSpec` and its own
+    schedule (a slot exactly for PREFETCH); see `trusted_offload_plan`. A plan read from
+    JSON builds its entries through the class, which checks each.
+    """
+    p = _NEW(ParamPlan)
+    _SET_LAYER(p, layer)
+    _SET_PARAM(p, param)
+    _SET_PLACEMENT(p, placement)
+    _SET_SLOT(p, slot)
+    _SET_TIED_TO(p, tied_to)
+    return p
+
+
 @attrs.frozen(kw_only=True)
 class BufferPlan:
     """A static device buffer key and the slots allocated for it (prefetch only).
@@ -257,6 +289,14 @@ class OffloadPlan:
         compute_device: "cuda" when the plan's platform has CUDA, else "cpu" (the compute
             device without an accelerator); executors pick their default runtime by it.
         num_layers: how many layers the model has (executors check they get that many).
+        host_numa: the NUMA node pinned host copies are placed on, and why
+            (`offload.pure.numa.decide_numa`); a plan read from JSON written before it
+            existed says "not recorded" and places nothing.
+        host_admission: whether the host memory the plan takes fits what the machine
+            allows, with the numbers and the limit that binds
+            (`offload.pure.admission.assess_host_memory`); the executors refuse a plan
+            that does not fit unless ``config.host_check`` says otherwise. A plan read
+            from JSON written before it existed says "not checked" (unknown).
     """
 
     config: OffloadConfig = attrs.field(validator=attrs.validators.instance_of(OffloadConfig))
@@ -277,6 +317,9 @@ class OffloadPlan:
     env_fingerprint: str = attrs.field(validator=is_str(PlanError))
     compute_device: str = attrs.field(validator=one_of(("cuda", "cpu"), PlanError))
     num_layers: int = attrs.field(validator=int_at_least(0, PlanError))
+    host_numa: HostNuma = attrs.field(factory=HostNuma, validator=attrs.validators.instance_of(HostNuma))
+    host_admission: HostAdmission = attrs.field(default=NOT_CHECKED,
+                                                validator=attrs.validators.instance_of(HostAdmission))
 
     def __attrs_post_init__(self) -> None:
         # The rules live in their own module, which reads the classes defined here.
@@ -360,3 +403,49 @@ class OffloadPlan:
         except OffloadError as exc:  # e.g. a ConfigError from the embedded config
             raise PlanError(f"the plan breaks a rule: {exc}", name=exc.name, value=exc.value) from exc
 
+
+# In field order, as the values below: `slot_setters` refuses any other list.
+_PLAN_SETTERS = slot_setters(OffloadPlan, (
+    "config", "backend", "backend_reason", "pin", "uva", "params", "offloaded_layers", "buffers", "schedule",
+    "offloaded_bytes", "device_bytes_freed", "device_bytes_buffers", "device_bytes_resident", "host_bytes",
+    "warnings", "env_fingerprint", "compute_device", "num_layers", "host_numa", "host_admission",
+))
+
+
+def trusted_offload_plan(
+    *,
+    config: OffloadConfig,
+    backend: Backend,
+    backend_reason: BackendReason,
+    pin: PinDecision,
+    uva: UvaDecision,
+    params: tuple[ParamPlan, ...],
+    offloaded_layers: tuple[int, ...],
+    buffers: tuple[BufferPlan, ...],
+    schedule: PrefetchSchedule,
+    offloaded_bytes: int,
+    device_bytes_freed: int,
+    device_bytes_buffers: int,
+    device_bytes_resident: int,
+    host_bytes: int,
+    warnings: tuple[PlanWarning, ...],
+    env_fingerprint: str,
+    compute_device: str,
+    num_layers: int,
+    host_numa: HostNuma,
+    host_admission: HostAdmission = NOT_CHECKED,
+) -> OffloadPlan:
+    """An `OffloadPlan` equal to ``OffloadPlan(config=config, ...)``, built without the
+    checks its constructor runs (field validators and `offload.pure._plan_rules`).
+
+    For `make_plan` only, whose plans the tests hold to every one of those checks (a plan
+    is O(parameters) to check, and planning a large model has a time budget). A plan read
+    from JSON, or built by hand, goes through the class and is checked.
+    """
+    values = (config, backend, backend_reason, pin, uva, params, offloaded_layers, buffers, schedule,
+              offloaded_bytes, device_bytes_freed, device_bytes_buffers, device_bytes_resident, host_bytes,
+              warnings, env_fingerprint, compute_device, num_layers, host_numa, host_admission)
+    plan = _NEW(OffloadPlan)
+    for set_field, value in zip(_PLAN_SETTERS, values, strict=True):
+        set_field(plan, value)
+    return plan

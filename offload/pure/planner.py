@@ -2,32 +2,42 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
+from offload.pure.admission import assess_host_memory, host_demand
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import EnvSnapshot
-from offload.pure.layout import prefetch_buffers
+from offload.pure.layout import layer_buffers
+from offload.pure.numa import decide_numa
 from offload.pure.plan import (
     Backend,
     BackendReason,
     OffloadPlan,
     ParamPlan,
     Placement,
+    trusted_offload_plan,
+    trusted_param_plan,
 )
 from offload.pure.schedule import check_schedule, schedule_prefetch
 from offload.pure.select import (
+    NOTHING_SELECTED,
+    LayerChoice,
     Ref,
-    Selection,
-    group_nbytes,
+    devices_on_compute,
     group_primary,
-    group_storages,
-    is_on_compute_device,
     select_prefetch,
     select_uva,
+    tied_storages,
 )
-from offload.pure.spec import ModelSpec
+from offload.pure.spec import ModelSpec, ParamSpec
 from offload.pure.warn import PlanFacts, plan_warnings
 
 __all__ = ["make_plan", "resolve_backend"]
+
+_NBYTES = attrgetter("nbytes")
+_NOT_CHOSEN: LayerChoice = frozenset()
 
 
 def resolve_backend(config: OffloadConfig) -> tuple[Backend, BackendReason]:
@@ -49,6 +59,12 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
 
     Pure and deterministic: equal inputs give equal plans.
 
+    The plan is built from `spec`, `config` and `env`, all validated when they were
+    made, without running the checks of `OffloadPlan` again (`offload.pure._plan_rules`):
+    a large model has tens of thousands of parameters and planning has a time budget
+    (``benchmarks/bench_plan.py``). The tests hold every plan made here to those checks,
+    and a plan read from JSON is always checked.
+
     Args:
         spec: the model's layers and parameters.
         config: what the user asks for.
@@ -59,75 +75,83 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
 
     Raises:
         PlanError: only if the inputs are inconsistent in a way their own validation
-            could not see; every plan made here passes `check_schedule`.
+            could not see; every plan made here passes `check_schedule`. Also when
+            ``config.numa_node`` names a NUMA node the host does not have.
     """
     pin = decide_pinning(env)
     uva = decide_uva(env, pin)
+    host_numa = decide_numa(env.platform.numa, config.numa_node,
+                            compute_device="cuda" if env.platform.has_cuda else "cpu", pin=pin.method)
     backend, reason = resolve_backend(config)
     platform = env.platform
 
-    groups = group_storages(spec)
+    ties = tied_storages(spec)
+    on_device = devices_on_compute(spec, config, platform)
     if backend is Backend.PREFETCH:
-        selection = select_prefetch(groups, len(spec.layers), config, platform)
+        selection = select_prefetch(spec, ties, config, on_device)
         placement = Placement.PREFETCH
     elif backend is Backend.UVA:
-        selection = select_uva(groups, config, platform)
+        selection = select_uva(spec, ties, config, on_device)
         placement = Placement.UVA if uva.enabled else Placement.ON_DEMAND
     else:
-        selection = Selection(offloaded=(), split_ties=())
+        selection = NOTHING_SELECTED
         placement = Placement.RESIDENT
+    chosen = selection.offloaded
 
-    # Offloaded names per layer: the loop below looks names up without building a key per
-    # parameter (a large model has tens of thousands, and make_plan has a time budget).
-    offloaded: dict[int, set[str]] = {}
-    for group in selection.offloaded:
-        for index, param in group:
-            names = offloaded.get(index)
-            if names is None:
-                offloaded[index] = {param.name}
-            else:
-                names.add(param.name)
-    tied_to: dict[Ref, Ref] = {
-        (index, param.name): group_primary(group)
-        for group in groups
-        if len(group) > 1
-        for index, param in group[1:]
-    }
-
-    offloaded_layers = tuple(sorted(offloaded)) if backend is Backend.PREFETCH else ()
+    offloaded_layers = tuple(sorted(chosen)) if backend is Backend.PREFETCH else ()
     schedule = schedule_prefetch(len(offloaded_layers), config.prefetch_step)
     check_schedule(schedule)
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
+    tied_to: dict[Ref, Ref] = {
+        (index, param.name): group_primary(group) for group in ties for index, param in group[1:]
+    }
+    tied_layers = {index for group in ties for index, _ in group}
+    all_on_device = all(on_device.values())
 
     params: list[ParamPlan] = []
-    prefetched: list[ParamPlan] = []
+    prefetched: list[tuple[tuple[ParamSpec, ...], int]] = []  # (specs with own buffers, slot) per layer
     resident_bytes = 0
-    on_device: dict[str, bool] = {}  # device name -> on the compute device (few distinct names)
-    no_names: set[str] = set()
     resident = Placement.RESIDENT
     for layer in spec.layers:
         index = layer.index
+        specs = layer.params
+        choice = chosen.get(index, _NOT_CHOSEN)
         slot = slot_of_layer.get(index)
-        names = offloaded.get(index, no_names)
-        for param in layer.params:
-            tie = tied_to.get((index, param.name)) if param.storage_key is not None else None
-            if param.name in names:
-                entry = ParamPlan(layer=index, param=param, placement=placement, slot=slot, tied_to=tie)
-                params.append(entry)
+        if index not in tied_layers and (choice is None or not choice):
+            # The whole layer is placed alike (the common case): its entries in one map.
+            if choice is None:
+                params.extend(map(trusted_param_plan, repeat(index), specs, repeat(placement), repeat(slot),
+                                  repeat(None)))
                 if slot is not None:
-                    prefetched.append(entry)
-                continue
-            params.append(ParamPlan(layer=index, param=param, placement=resident, tied_to=tie))
-            here = on_device.get(param.device)
-            if here is None:
-                here = on_device[param.device] = is_on_compute_device(param.device, platform,
-                                                                      keep_host=config.keep_host_params)
-            if here and tie is None:  # a tied storage counts once, at its first member
-                resident_bytes += param.nbytes
+                    prefetched.append((specs, slot))
+            else:
+                params.extend(map(trusted_param_plan, repeat(index), specs, repeat(resident), repeat(None),
+                                  repeat(None)))
+                resident_bytes += (sum(map(_NBYTES, specs)) if all_on_device
+                                   else sum(p.nbytes for p in specs if on_device[p.device]))
+            continue
+        owners: list[ParamSpec] = []
+        for param in specs:
+            tie = tied_to.get((index, param.name)) if param.storage_key is not None else None
+            if choice is None or param.name in choice:
+                params.append(trusted_param_plan(index, param, placement, slot, tie))
+                if tie is None or tie[0] != index:  # tied within the layer: reads the first one's buffer
+                    owners.append(param)
+            else:
+                params.append(trusted_param_plan(index, param, resident, None, tie))
+                if on_device[param.device] and tie is None:  # a tied storage counts once, at its first member
+                    resident_bytes += param.nbytes
+        if slot is not None and owners:
+            prefetched.append((tuple(owners), slot))
 
-    buffers = prefetch_buffers(prefetched)
-    offloaded_bytes = sum(group_nbytes(g) for g in selection.offloaded)  # each storage once
+    buffers = layer_buffers(prefetched)
+    offloaded_bytes = selection.offloaded_bytes
     device_bytes_buffers = sum(b.nbytes for b in buffers)
+    compute_device = "cuda" if platform.has_cuda else "cpu"
+    admission = assess_host_memory(host_demand(
+        params, compute_device=compute_device, host_bytes=offloaded_bytes, buffer_bytes=device_bytes_buffers,
+        resident_bytes=resident_bytes, pin=pin.pin, devices=on_device,
+    ), env)
     facts = PlanFacts(
         spec=spec,
         config=config,
@@ -140,8 +164,9 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         offloaded_bytes=offloaded_bytes,
         resident_bytes=resident_bytes,
         buffer_bytes=device_bytes_buffers,
+        admission=admission,
     )
-    return OffloadPlan(
+    return trusted_offload_plan(
         config=config,
         backend=backend,
         backend_reason=reason,
@@ -160,5 +185,6 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         env_fingerprint=env.fingerprint(),
         compute_device="cuda" if platform.has_cuda else "cpu",
         num_layers=len(spec.layers),
+        host_numa=host_numa,
+        host_admission=admission,
     )
-

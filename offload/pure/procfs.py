@@ -10,10 +10,16 @@ from __future__ import annotations
 import re
 
 __all__ = [
+    "CGROUP_V1_UNLIMITED",
     "find_libcudart",
     "is_wsl_release",
+    "parse_cgroup_bytes",
+    "parse_cgroup_limit",
+    "parse_cgroup_mounts",
+    "parse_cgroup_reclaimable",
     "parse_meminfo",
     "parse_memlock_limit",
+    "parse_proc_cgroup",
 ]
 
 # Units /proc/meminfo uses. The kernel has printed "kB" (meaning KiB) since 2.6; a line
@@ -149,3 +155,152 @@ def find_libcudart(maps_text: str, cuda_major: str | None = None) -> str | None:
                 return path
             found.append(path)
     return found[0] if found else None
+
+
+# ---- cgroups ------------------------------------------------------------------------
+
+#: cgroup v1 has no word for "no limit": it prints the largest page-aligned value
+#: (9223372036854771712 on 4 KiB pages, 9223372036854710272 on 64 KiB). Any limit from
+#: this up (2**62 bytes, 4 EiB) means none.
+CGROUP_V1_UNLIMITED = 1 << 62
+
+
+def parse_proc_cgroup(text: str) -> tuple[str | None, str | None]:
+    """Read the process's cgroups from the text of ``/proc/self/cgroup``.
+
+    Args:
+        text: lines ``hierarchy-id:controllers:path``, e.g. ``0::/user.slice/x.scope``
+            (cgroup v2: id 0, no controllers) and ``4:memory:/docker/abc`` (v1; the
+            controllers are comma-separated, ``4:memory,hugetlb:/x`` also counts).
+
+    Returns:
+        ``(v2 path, v1 memory path)``: the path of the ``0::`` line and of the first v1
+        line whose controllers include ``memory``; each None when there is no such line.
+        Malformed lines and paths that do not start with ``/`` are skipped.
+
+    Raises:
+        Nothing.
+    """
+    v2: str | None = None
+    v1: str | None = None
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3 or not fields[2].startswith("/"):
+            continue
+        hierarchy, controllers, path = fields
+        if hierarchy == "0" and controllers == "" and v2 is None:
+            v2 = path
+        elif "memory" in controllers.split(",") and v1 is None:
+            v1 = path
+    return v2, v1
+
+
+def _unescape_mount_field(text: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040).
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def parse_cgroup_mounts(text: str) -> tuple[tuple[int, str, str], ...]:
+    """Find the cgroup mounts in the text of ``/proc/self/mountinfo``.
+
+    Args:
+        text: lines ``id parent major:minor root mount-point options [optional...] -
+            fstype source super-options``, e.g. ``35 31 0:32 / /sys/fs/cgroup/memory rw
+            - cgroup cgroup rw,memory``.
+
+    Returns:
+        ``(version, root, mount point)`` for each ``cgroup2`` mount (version 2) and each
+        ``cgroup`` mount with the ``memory`` controller (version 1), in file order;
+        ``root`` is the directory of the hierarchy mounted there (``/`` unless a
+        sub-tree is). Octal escapes in paths (``\\040``) are decoded. Other lines and
+        malformed ones are skipped.
+
+    Raises:
+        Nothing.
+    """
+    mounts: list[tuple[int, str, str]] = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        tail = right.split()
+        if len(fields) < 5 or len(tail) < 1:
+            continue
+        root, point = _unescape_mount_field(fields[3]), _unescape_mount_field(fields[4])
+        if tail[0] == "cgroup2":
+            mounts.append((2, root, point))
+        elif tail[0] == "cgroup" and len(tail) >= 3 and "memory" in tail[2].split(","):
+            mounts.append((1, root, point))
+    return tuple(mounts)
+
+
+def parse_cgroup_limit(text: str, version: int) -> int | None:
+    """Read a cgroup memory limit: ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1).
+
+    Args:
+        text: the file, e.g. ``"68719476736\n"``; v2 writes ``max`` for no limit, v1 a
+            huge number (9223372036854771712).
+        version: 2 or 1.
+
+    Returns:
+        The limit in bytes (the files state bytes), or None for no limit: v2 ``max``, or
+        a v1 value of at least `CGROUP_V1_UNLIMITED` (2**62); ``-1`` also means none.
+
+    Raises:
+        ValueError: the text is not one of those; not ignored, because None ("no limit")
+            would then be a guess.
+    """
+    value = text.strip()
+    if version == 2 and value == "max":
+        return None
+    if value == "-1":
+        return None
+    if not _is_number(value):
+        raise ValueError(f"unreadable cgroup v{version} memory limit {value[:40]!r}")
+    number = int(value)
+    if number >= CGROUP_V1_UNLIMITED:
+        return None
+    return number
+
+
+def parse_cgroup_bytes(text: str) -> int | None:
+    """Read a cgroup usage file (``memory.current``, ``memory.usage_in_bytes``).
+
+    Returns:
+        The bytes it states, or None when the text is not one number.
+
+    Raises:
+        Nothing.
+    """
+    value = text.strip()
+    return int(value) if _is_number(value) else None
+
+
+def parse_cgroup_reclaimable(text: str, version: int) -> int | None:
+    """Read the inactive file cache from a cgroup's ``memory.stat``.
+
+    This is the part of the usage the kernel reclaims first, before the OOM killer acts
+    (container runtimes subtract it too: "working set" = usage - inactive file).
+
+    Args:
+        text: lines ``name value`` (bytes), e.g. ``inactive_file 1048576``.
+        version: 2 reads ``inactive_file``; 1 reads ``total_inactive_file`` (the cgroup
+            and its descendants, as its usage counts them), else ``inactive_file``.
+
+    Returns:
+        The bytes, or None when the line is missing or unreadable.
+
+    Raises:
+        Nothing.
+    """
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and _is_number(fields[1]):
+            values.setdefault(fields[0], int(fields[1]))
+    names = ("inactive_file",) if version == 2 else ("total_inactive_file", "inactive_file")
+    for name in names:
+        if name in values:
+            return values[name]
+    return None

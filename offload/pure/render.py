@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from offload.pure.admission import HostFit
 from offload.pure.moves import Move, move_text
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.units import format_bytes
@@ -78,6 +79,34 @@ def _param_rows(plan: OffloadPlan) -> list[list[str]]:
     ]
 
 
+_ENFORCED = {
+    "refuse": "wrap_modules refuses it (host_check='refuse')",
+    "warn": "runs anyway with a warning (host_check='warn')",
+    "off": "not enforced (host_check='off')",
+}
+
+
+def _admission_lines(plan: OffloadPlan) -> list[str]:
+    """The host admission verdict, then one line per limit compared."""
+    admission = plan.host_admission
+    mode = plan.config.host_check
+    if admission.verdict is HostFit.DOES_NOT_FIT:
+        head = f"does not fit, {_ENFORCED[mode]}: {admission.message}"
+    else:
+        head = admission.message + (" (host_check='off')" if mode == "off" else "")
+    lines = [f"host mem: {head}"]
+    for check in admission.checks:
+        allowed = "unknown" if check.allowed_bytes is None else format_bytes(check.allowed_bytes)
+        what = "pinned host memory" if check.pinned else "new host memory"
+        mark = {True: "ok", False: "over", None: "?"}[check.fits]
+        tag = ""
+        if check.limit is admission.binding:
+            tag = " (binds)" if admission.verdict is HostFit.DOES_NOT_FIT else " (tightest)"
+        lines.append(f"  {mark:<4} {check.source}: {format_bytes(check.needed_bytes)} {what} needed, "
+                     f"{allowed} allowed{tag}")
+    return lines
+
+
 def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
     """A readable description of the plan.
 
@@ -93,6 +122,7 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         f"backend:  {plan.backend.value} ({plan.backend_reason.value.replace('_', ' ')})",
         f"pinning:  {f'on ({plan.pin.method_text})' if plan.pin.pin else 'off'}: {plan.pin.explanation}",
         f"uva:      {'on' if plan.uva.enabled else 'off'}: {plan.uva.explanation}",
+        f"host copies: {plan.host_numa.text}",
     ]
     if plan.backend is Backend.PREFETCH:
         lines.append(
@@ -111,6 +141,7 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         lines.append("moves:    " + "; ".join(
             f"{n} {'parameter' if n == 1 else 'parameters'} {move_text(m)} ({format_bytes(b)})" for m, n, b in moves
         ))
+    lines.extend(_admission_lines(plan))
     lines.append(f"snapshot: {plan.env_fingerprint}")
     lines.append("")
     if per_param:

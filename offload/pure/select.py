@@ -1,12 +1,18 @@
 """Which parameters leave the compute device: the selection rules of each backend.
 
 Selection works on *storage groups*: a tied parameter (several names, one storage) is
-offloaded as a whole or not at all, so that it is stored once and counted once.
+offloaded as a whole or not at all, so that it is stored once and counted once. Untied
+parameters are groups of one; a large model has tens of thousands and `make_plan` has a
+time budget, so they are chosen a layer at a time, and only the tied ones are grouped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from itertools import accumulate, chain
+from operator import attrgetter
+from types import MappingProxyType
 
 import attrs
 
@@ -15,16 +21,21 @@ from offload.pure.env import Platform
 from offload.pure.spec import COMPUTE_DEVICE, ModelSpec, ParamSpec
 
 __all__ = [
+    "Eligible",
+    "LayerChoice",
+    "NOTHING_SELECTED",
     "Selection",
     "StorageGroup",
+    "devices_on_compute",
+    "eligibility",
     "filter_misses",
     "group_nbytes",
     "group_primary",
-    "group_storages",
     "is_on_compute_device",
     "prefetch_layers",
     "select_prefetch",
     "select_uva",
+    "tied_storages",
 ]
 
 #: Where a parameter is, as (layer index, name).
@@ -50,10 +61,17 @@ def is_on_compute_device(device: str, platform: Platform, *, keep_host: bool = F
     return False
 
 
-#: Parameters that share one storage, as (layer, param) in model order; a single
-#: parameter when untied. The first member holds the one host copy. (A plain tuple: a
-#: large model has tens of thousands of these and make_plan has a time budget.)
+#: Parameters that share one storage, as (layer, param) in model order. The first member
+#: holds the one host copy. (A plain tuple, not a class: cheap to build in bulk.)
 StorageGroup = tuple[tuple[int, ParamSpec], ...]
+
+#: The parameters of one layer that are offloaded: None for all of them, else their names.
+LayerChoice = frozenset[str] | None
+
+_PARAMS = attrgetter("params")
+_STORAGE_KEY = attrgetter("storage_key")
+_DEVICE = attrgetter("device")
+_NBYTES = attrgetter("nbytes")
 
 
 def group_primary(group: StorageGroup) -> Ref:
@@ -67,69 +85,64 @@ def group_nbytes(group: StorageGroup) -> int:
     return group[0][1].nbytes
 
 
-def group_storages(spec: ModelSpec) -> tuple[StorageGroup, ...]:
-    """Group parameters by storage key, in order of each group's first member."""
-    order: list[StorageGroup | list[tuple[int, ParamSpec]]] = []
-    by_key: dict[str, list[tuple[int, ParamSpec]]] = {}
+def tied_storages(spec: ModelSpec) -> tuple[StorageGroup, ...]:
+    """The storage groups of more than one parameter (ties), in order of first member."""
+    keys = list(map(_STORAGE_KEY, chain.from_iterable(map(_PARAMS, spec.layers))))
+    distinct = set(keys)
+    distinct.discard(None)
+    if len(distinct) == len(keys) - keys.count(None):
+        return ()  # every key once: nothing is tied (the common case, found in C)
+    seen: set[str] = set()
+    tied: set[str] = set()
+    for key in keys:
+        if key is not None:
+            if key in seen:
+                tied.add(key)
+            seen.add(key)
+    groups: dict[str, list[tuple[int, ParamSpec]]] = {}
     for layer in spec.layers:
-        index = layer.index
         for param in layer.params:
-            key = param.storage_key
-            if key is None:
-                order.append(((index, param),))
-                continue
-            members = by_key.get(key)
-            if members is None:
-                members = by_key[key] = []
-                order.append(members)
-            members.append((index, param))
-    return tuple(m if isinstance(m, tuple) else tuple(m) for m in order)
+            if param.storage_key in tied:
+                groups.setdefault(param.storage_key, []).append((layer.index, param))
+    return tuple(tuple(members) for members in groups.values())
 
 
 def filter_misses(spec: ModelSpec, param_filter: Sequence[str]) -> tuple[str, ...]:
     """The filter segments that match no parameter name of the model."""
+    if not param_filter:
+        return ()
     names = {p.name for layer in spec.layers for p in layer.params}
     return tuple(s for s in param_filter if not any(segment_matches(s, n) for n in names))
 
 
-@attrs.frozen(kw_only=True)
-class Selection:
-    """The outcome of selection.
+def devices_on_compute(spec: ModelSpec, config: OffloadConfig, platform: Platform) -> dict[str, bool]:
+    """`is_on_compute_device` of every device the parameters of `spec` are on (a few
+    names, however many parameters), with ``config.keep_host_params``."""
+    devices = set(map(_DEVICE, chain.from_iterable(map(_PARAMS, spec.layers))))
+    return {d: is_on_compute_device(d, platform, keep_host=config.keep_host_params) for d in sorted(devices)}
 
-    Attributes:
-        offloaded: the groups that leave the compute device, in model order.
-        split_ties: groups left resident because only some of their members could go.
-        cross_layer_ties: prefetch only: groups left resident because they span layers,
-            and one parameter object cannot point at two layers' buffers.
+
+#: Whether one parameter, wherever its layer, may leave the compute device.
+Eligible = Callable[[ParamSpec], bool]
+
+
+def eligibility(on_device: Mapping[str, bool], config: OffloadConfig) -> tuple[Eligible, bool]:
+    """Which parameters may leave the compute device, by device and `param_filter`.
+
+    Args:
+        on_device: `devices_on_compute` of the model.
+        config: the request (its filter).
+
+    Returns:
+        The test for one parameter of the model, and True when it passes every one (no
+        filter, and every device is the compute device's): then whole layers can be
+        taken without asking it per parameter.
     """
-
-    offloaded: tuple[StorageGroup, ...]
-    split_ties: tuple[StorageGroup, ...]
-    cross_layer_ties: tuple[StorageGroup, ...] = ()
-
-
-def prefetch_layers(num_layers: int, group_size: int, num_in_group: int) -> tuple[int, ...]:
-    """The last `num_in_group` layers of every `group_size` (8 and 2: 6, 7, 14, 15, ...)."""
-    return tuple(i for i in range(num_layers) if i % group_size >= group_size - num_in_group)
-
-
-def _select(
-    groups: Iterable[StorageGroup], wanted: frozenset[int] | None, config: OffloadConfig, platform: Platform
-) -> tuple[list[StorageGroup], list[StorageGroup]]:
-    """Split groups into those whose every member can go, and ties only partly eligible."""
-    # Device names and parameter names repeat across layers: decide each once.
-    device_ok: dict[str, bool] = {}
-    name_ok: dict[str, bool] = {}
     segments = config.param_filter
+    name_ok: dict[str, bool] = {}  # parameter names repeat across layers: match each once
 
-    def eligible(layer: int, param: ParamSpec) -> bool:
-        if wanted is not None and layer not in wanted:
-            return False
-        on_device = device_ok.get(param.device)
-        if on_device is None:
-            on_device = device_ok[param.device] = is_on_compute_device(param.device, platform,
-                                                                      keep_host=config.keep_host_params)
-        if not on_device:
+    def eligible(param: ParamSpec) -> bool:
+        if not on_device[param.device]:
             return False
         if not segments:
             return True
@@ -138,57 +151,169 @@ def _select(
             match = name_ok[param.name] = any(segment_matches(s, param.name) for s in segments)
         return match
 
-    whole: list[StorageGroup] = []
-    split: list[StorageGroup] = []
-    for group in groups:
-        if len(group) == 1:
-            if eligible(*group[0]):
-                whole.append(group)
-            continue
-        ok = [eligible(layer, param) for layer, param in group]
-        if all(ok):
-            whole.append(group)
-        elif any(ok):
-            split.append(group)
-    return whole, split
+    return eligible, not segments and all(on_device.values())
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Selection:
+    """The outcome of selection.
+
+    Attributes:
+        offloaded: for each layer with a parameter that leaves the compute device (and
+            only those), which of its parameters do (`LayerChoice`). A tied storage is
+            in it whole or not at all.
+        offloaded_bytes: bytes of the storages that leave, each counted once.
+        split_ties: groups left resident because only some of their members could go.
+        cross_layer_ties: prefetch only: groups left resident because they span layers,
+            and one parameter object cannot point at two layers' buffers.
+    """
+
+    offloaded: Mapping[int, LayerChoice]
+    offloaded_bytes: int
+    split_ties: tuple[StorageGroup, ...]
+    cross_layer_ties: tuple[StorageGroup, ...] = ()
+
+
+NOTHING_SELECTED = Selection(offloaded=MappingProxyType({}), offloaded_bytes=0, split_ties=())
+
+
+def prefetch_layers(num_layers: int, group_size: int, num_in_group: int) -> tuple[int, ...]:
+    """The last `num_in_group` layers of every `group_size` (8 and 2: 6, 7, 14, 15, ...)."""
+    return tuple(i for i in range(num_layers) if i % group_size >= group_size - num_in_group)
+
+
+def _choice(params: tuple[ParamSpec, ...], taken: list[bool]) -> tuple[LayerChoice, int]:
+    """The `LayerChoice` of `params` by `taken` (one flag each) and the bytes taken, or
+    an empty choice (frozenset()) when nothing is."""
+    if all(taken):
+        return None, sum(map(_NBYTES, params))
+    chosen = [p for p, ok in zip(params, taken, strict=True) if ok]
+    return frozenset(p.name for p in chosen), sum(map(_NBYTES, chosen))
 
 
 def select_prefetch(
-    groups: Sequence[StorageGroup], num_layers: int, config: OffloadConfig, platform: Platform
+    spec: ModelSpec, ties: Sequence[StorageGroup], config: OffloadConfig, on_device: Mapping[str, bool]
 ) -> Selection:
     """Prefetch: eligible parameters of the layers `prefetch_layers` names.
 
     Args:
-        groups: `group_storages` of the model.
-        num_layers: how many layers the model has.
+        spec: the model.
+        ties: `tied_storages` of the model.
         config: the request (group size, number in group, filter).
-        platform: decides which parameters are on the compute device.
+        on_device: `devices_on_compute` of the model.
     """
-    wanted = frozenset(prefetch_layers(num_layers, config.group_size, config.num_in_group))
-    whole, split = _select(groups, wanted, config, platform)
-    # A storage tied across layers would need one buffer per layer, but its parameters
-    # (often one Parameter object) can only point at one: keep such ties resident.
-    same_layer = [g for g in whole if len(g) == 1 or all(layer == g[0][0] for layer, _ in g)]
-    across = [g for g in whole if not (len(g) == 1 or all(layer == g[0][0] for layer, _ in g))]
-    return Selection(offloaded=tuple(same_layer), split_ties=tuple(split), cross_layer_ties=tuple(across))
+    wanted = prefetch_layers(len(spec.layers), config.group_size, config.num_in_group)
+    wanted_set = frozenset(wanted)
+    eligible, everything = eligibility(on_device, config)
+    # Ties are decided as a whole. One tied across layers would need one buffer per layer,
+    # but its parameters (often one Parameter object) can only point at one: it stays.
+    tie_taken: dict[Ref, bool] = {}
+    primaries: set[Ref] = set()
+    split: list[StorageGroup] = []
+    across: list[StorageGroup] = []
+    for group in ties:
+        ok = [layer in wanted_set and eligible(param) for layer, param in group]
+        whole = all(ok)
+        if whole and any(layer != group[0][0] for layer, _ in group):
+            across.append(group)
+            whole = False
+        elif not whole and any(ok):
+            split.append(group)
+        for layer, param in group:
+            tie_taken[(layer, param.name)] = whole
+        primaries.add(group_primary(group))
+    tied_layers = {layer for group in ties for layer, _ in group}
+
+    offloaded: dict[int, LayerChoice] = {}
+    total = 0
+    for index in wanted:
+        params = spec.layers[index].params
+        if not params:
+            continue
+        if index in tied_layers:
+            taken = [tie_taken.get((index, p.name), None) for p in params]
+            flags = [eligible(p) if t is None else t for p, t in zip(params, taken, strict=True)]
+            choice, _ = _choice(params, flags)
+            # A tied storage counts once, at its first member.
+            total += sum(p.nbytes for p, t, ok in zip(params, taken, flags, strict=True)
+                         if ok and (t is None or (index, p.name) in primaries))
+        elif everything:
+            choice = None
+            total += sum(map(_NBYTES, params))
+        else:
+            choice, nbytes = _choice(params, list(map(eligible, params)))
+            total += nbytes
+        if choice is None or choice:
+            offloaded[index] = choice
+    return Selection(offloaded=MappingProxyType(offloaded), offloaded_bytes=total, split_ties=tuple(split),
+                     cross_layer_ties=tuple(across))
 
 
-def select_uva(groups: Sequence[StorageGroup], config: OffloadConfig, platform: Platform) -> Selection:
+def select_uva(
+    spec: ModelSpec, ties: Sequence[StorageGroup], config: OffloadConfig, on_device: Mapping[str, bool]
+) -> Selection:
     """UVA: eligible parameters in layer order until `uva_max_bytes` is reached.
 
-    The parameter that reaches the budget is taken whole, so the total may cross it.
+    The storage that reaches the budget is taken whole, so the total may cross it.
 
     Args:
-        groups: `group_storages` of the model.
+        spec: the model.
+        ties: `tied_storages` of the model.
         config: the request (byte budget, filter).
-        platform: decides which parameters are on the compute device.
+        on_device: `devices_on_compute` of the model.
     """
-    whole, split = _select(groups, None, config, platform)
-    taken: list[StorageGroup] = []
+    budget = config.uva_max_bytes
+    eligible, everything = eligibility(on_device, config)
+    # A tie is taken (whole) at its first member, if every member is eligible; its other
+    # members are then offloaded wherever they are.
+    whole_at: dict[Ref, StorageGroup] = {}
+    tied_refs: set[Ref] = set()
+    split: list[StorageGroup] = []
+    for group in ties:
+        ok = [eligible(param) for _, param in group]
+        if all(ok):
+            whole_at[group_primary(group)] = group
+        elif any(ok):
+            split.append(group)
+        tied_refs.update((layer, param.name) for layer, param in group)
+    tied_layers = {layer for group in ties for layer, _ in group}
+
+    names: dict[int, set[str]] = {}
+    every: set[int] = set()
     total = 0
-    for group in whole:
-        if total >= config.uva_max_bytes:
+    for layer in spec.layers:
+        if total >= budget:
             break
-        taken.append(group)
-        total += group_nbytes(group)
-    return Selection(offloaded=tuple(taken), split_ties=tuple(split))
+        index = layer.index
+        params = layer.params
+        if not params:
+            continue
+        if everything and index not in tied_layers:
+            # Every parameter is eligible: take those that start below the budget.
+            sizes = list(map(_NBYTES, params))
+            before = list(accumulate(sizes, initial=total))
+            count = bisect_left(before, budget, 0, len(sizes))
+            if count == len(params):
+                every.add(index)
+            elif count:
+                names.setdefault(index, set()).update(p.name for p in params[:count])
+            total = before[count]
+            continue
+        for param in params:
+            if total >= budget:
+                break
+            ref = (index, param.name)
+            if ref in tied_refs:
+                whole = whole_at.get(ref)
+                if whole is None:
+                    continue  # not a first member, or not all members can go
+                for member_layer, member in whole:
+                    names.setdefault(member_layer, set()).add(member.name)
+                total += group_nbytes(whole)
+            elif eligible(param):
+                names.setdefault(index, set()).add(param.name)
+                total += param.nbytes
+    offloaded: dict[int, LayerChoice] = {}
+    for index in sorted(every | names.keys()):
+        offloaded[index] = None if index in every else frozenset(names[index])
+    return Selection(offloaded=MappingProxyType(offloaded), offloaded_bytes=total, split_ties=tuple(split))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import attrs
 
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, is_str, non_empty_str, tuple_of, tuple_of_ints
+from offload.pure._slots import slot_setters
 
 __all__ = [
     "COMPUTE_DEVICE",
@@ -23,6 +25,10 @@ __all__ = [
     "ModelSpec",
     "ParamSpec",
     "contiguous_stride",
+    "param_sizes",
+    "trusted_layer_spec",
+    "trusted_model_spec",
+    "trusted_param_spec",
 ]
 
 #: The device of a parameter that is not loaded yet and will be loaded onto the compute
@@ -64,6 +70,17 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def param_sizes(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """(numel, nbytes) of a parameter: its elements, and the bytes they span in storage
+    (see `ParamSpec.nbytes`); `shape` and `stride` have equal lengths."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return 0, 0
+    # The offset of the last element, sum((size - 1) * step), summed in C.
+    last = sum(map(operator.mul, shape, stride)) - sum(stride)
+    return numel, (last + 1) * itemsize
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +125,16 @@ class ParamSpec:
                 name=self.name,
                 value=self.itemsize,
             )
+        # Filled now rather than on first read: a first read goes through attrs' slotted
+        # __getattr__, which costs more than computing them, and plans read them all.
+        numel, nbytes = param_sizes(self.shape, self.stride, self.itemsize)
+        _SET_BUFFER_KEY(self, (self.name, self.shape, self.stride, self.dtype))
+        _SET_NUMEL(self, numel)
+        _SET_NBYTES(self, nbytes)
+
+    # Cached properties, so that attrs gives them slots; both constructors fill them, and
+    # the properties compute them only for an instance that was not built by either
+    # (unpickled or copied: those restore the fields alone).
 
     @functools.cached_property
     def buffer_key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
@@ -117,7 +144,7 @@ class ParamSpec:
     @functools.cached_property
     def numel(self) -> int:
         """Number of elements."""
-        return math.prod(self.shape)
+        return param_sizes(self.shape, self.stride, self.itemsize)[0]
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -127,10 +154,57 @@ class ParamSpec:
         view it is the extent from the first to the last element, which is what a
         stride-preserving host copy occupies. Zero for an empty tensor.
         """
-        if self.numel == 0:
-            return 0
-        last = sum((size - 1) * step for size, step in zip(self.shape, self.stride, strict=True))
-        return (last + 1) * self.itemsize
+        return param_sizes(self.shape, self.stride, self.itemsize)[1]
+
+
+# The trusted builders below create instances without their __init__ (see _slots).
+_NEW = object.__new__
+
+(
+    _SET_NAME, _SET_SHAPE, _SET_STRIDE, _SET_DTYPE, _SET_ITEMSIZE, _SET_STORAGE_KEY, _SET_DEVICE,
+    _SET_BUFFER_KEY, _SET_NUMEL, _SET_NBYTES,
+) = slot_setters(
+    ParamSpec,
+    ("name", "shape", "stride", "dtype", "itemsize", "storage_key", "device"),
+    derived=("buffer_key", "numel", "nbytes"),
+)
+
+
+def trusted_param_spec(
+    name: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: str,
+    itemsize: int,
+    storage_key: str | None,
+    device: str,
+    numel: int,
+    nbytes: int,
+) -> ParamSpec:
+    """A `ParamSpec` equal to ``ParamSpec(name=name, ...)``, built without checking it.
+
+    For the shell describing live tensors, whose metadata holds every rule of the class by
+    construction (torch refuses empty names, negative sizes and strides; a dtype's name
+    and element size agree): describing a large model checks nothing twice. Values from
+    users go through the class, which checks them.
+
+    Args:
+        name, shape, stride, dtype, itemsize, storage_key, device: the fields, already
+            valid (see `ParamSpec`): plain ``str``, ``int`` and tuples of ``int``.
+        numel, nbytes: ``param_sizes(shape, stride, itemsize)``.
+    """
+    p = _NEW(ParamSpec)
+    _SET_NAME(p, name)
+    _SET_SHAPE(p, shape)
+    _SET_STRIDE(p, stride)
+    _SET_DTYPE(p, dtype)
+    _SET_ITEMSIZE(p, itemsize)
+    _SET_STORAGE_KEY(p, storage_key)
+    _SET_DEVICE(p, device)
+    _SET_BUFFER_KEY(p, (name, shape, stride, dtype))
+    _SET_NUMEL(p, numel)
+    _SET_NBYTES(p, nbytes)
+    return p
 
 
 @attrs.frozen(kw_only=True)
@@ -162,6 +236,20 @@ class LayerSpec:
     def nbytes(self) -> int:
         """Bytes of all parameters, tied ones counted once per distinct storage key."""
         return _unique_bytes(self.params)
+
+
+_SET_LAYER_INDEX, _SET_LAYER_NAME, _SET_LAYER_PARAMS = slot_setters(LayerSpec, ("index", "name", "params"))
+
+
+def trusted_layer_spec(index: int, name: str, params: tuple[ParamSpec, ...]) -> LayerSpec:
+    """A `LayerSpec` equal to ``LayerSpec(index=index, name=name, params=params)``, built
+    without checking it: for the shell, whose `params` come from one module's
+    ``named_parameters()`` (names unique by construction). See `trusted_param_spec`."""
+    layer = _NEW(LayerSpec)
+    _SET_LAYER_INDEX(layer, index)
+    _SET_LAYER_NAME(layer, name)
+    _SET_LAYER_PARAMS(layer, params)
+    return layer
 
 
 def _layers(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -206,3 +294,14 @@ class ModelSpec:
     def nbytes(self) -> int:
         """Bytes of all parameters, each distinct storage counted once."""
         return _unique_bytes(tuple(p for layer in self.layers for p in layer.params))
+
+
+(_SET_LAYERS,) = slot_setters(ModelSpec, ("layers",))
+
+
+def trusted_model_spec(layers: tuple[LayerSpec, ...]) -> ModelSpec:
+    """A `ModelSpec` equal to ``ModelSpec(layers=layers)``, built without checking it:
+    for the shell, which numbers `layers` 0, 1, 2, ... itself. See `trusted_param_spec`."""
+    model = _NEW(ModelSpec)
+    _SET_LAYERS(model, layers)
+    return model

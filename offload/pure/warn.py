@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from offload.pure.admission import ADVISORY_LIMITS, NOT_CHECKED, HostAdmission, HostFit, HostLimit, over_text
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import PinDecision, UvaDecision
 from offload.pure.env import ENV_VARIABLES, EnvSnapshot
@@ -30,6 +31,7 @@ class PlanFacts:
     offloaded_bytes: int
     resident_bytes: int
     buffer_bytes: int
+    admission: HostAdmission = NOT_CHECKED
 
 
 def longest_cyclic_run(layers: tuple[int, ...], num_layers: int) -> int:
@@ -147,20 +149,10 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
             "device on every call of their layer instead: slow, and not capturable in CUDA graphs",
         ))
 
-    if anything and platform.host_available_bytes is not None and f.offloaded_bytes > platform.host_available_bytes:
-        out.append(_w(
-            WarningCode.HOST_MEMORY_SHORT,
-            f"host copies need {format_bytes(f.offloaded_bytes)} but only "
-            f"{format_bytes(platform.host_available_bytes)} of host memory is available",
-        ))
-    if anything and f.pin.pin and platform.memlock_limit_bytes is not None and f.offloaded_bytes > platform.memlock_limit_bytes:
-        out.append(_w(
-            WarningCode.MEMLOCK_LIMIT,
-            f"pinning {format_bytes(f.offloaded_bytes)} exceeds the locked-memory limit of "
-            f"{format_bytes(platform.memlock_limit_bytes)} (ulimit -l); raise the limit or set "
-            f"{ENV_VARIABLES['disable_pin_memory'][0]}=1",
-        ))
-    if anything and f.pin.pin and platform.is_coherent_unified_memory:
+    admission = _admission_warnings(f)
+    out.extend(admission)
+    device_short = any(w.code is WarningCode.DEVICE_MEMORY_SHORT for w in admission)
+    if anything and f.pin.pin and platform.is_coherent_unified_memory and not device_short:
         out.append(_w(
             WarningCode.COHERENT_UNIFIED_MEMORY,
             f"{platform.device_name} has hardware-coherent unified memory: pinned host memory "
@@ -168,6 +160,53 @@ def plan_warnings(f: PlanFacts) -> tuple[PlanWarning, ...]:
             f"{ENV_VARIABLES['disable_pin_memory'][0]}=1",
         ))
     return tuple(out)
+
+
+# Each limit of the host admission check and the warning its excess gives; MemAvailable
+# and the cgroup's headroom measure the same memory, so they share one warning.
+_ADMISSION_CODES = {
+    HostLimit.HOST_AVAILABLE: WarningCode.HOST_MEMORY_SHORT,
+    HostLimit.CGROUP: WarningCode.HOST_MEMORY_SHORT,
+    HostLimit.MEMLOCK: WarningCode.MEMLOCK_LIMIT,
+    HostLimit.DEVICE: WarningCode.DEVICE_MEMORY_SHORT,
+}
+
+_ADMISSION_HINTS = {
+    WarningCode.HOST_MEMORY_SHORT: "free host memory, raise the container's memory limit or offload less",
+    WarningCode.MEMLOCK_LIMIT: f"raise the limit (ulimit -l) or set {ENV_VARIABLES['disable_pin_memory'][0]}=1",
+    WarningCode.DEVICE_MEMORY_SHORT: f"set {ENV_VARIABLES['disable_pin_memory'][0]}=1 or offload less",
+}
+
+
+def _admission_warnings(f: PlanFacts) -> list[PlanWarning]:
+    """One warning per kind of limit the plan's host memory exceeds (`f.admission`), the
+    most exceeded first; none with ``host_check="off"``. These are the plan's only
+    warnings about host memory, so they always agree with the verdict."""
+    admission = f.admission
+    mode = f.config.host_check
+    if mode == "off":
+        return []
+    if mode == "refuse":
+        outcome = ("wrap_modules refuses this plan before moving anything (host_check='refuse'; "
+                   "OffloadConfig(host_check='warn') runs it anyway)")
+    else:
+        outcome = "host_check='warn': it runs anyway, and the process may be killed"
+    advisory = ("pinning may fail and fall back to pageable memory (counted in stats().pin_fallbacks); "
+                "nothing is refused for it")
+    binding = admission.verdict is HostFit.DOES_NOT_FIT
+    failed = sorted((c for c in admission.failed if binding or c.limit in ADVISORY_LIMITS),
+                    key=lambda c: c.margin_bytes or 0)
+    out: list[PlanWarning] = []
+    seen: set[WarningCode] = set()
+    for check in failed:
+        code = _ADMISSION_CODES[check.limit]
+        if code in seen:
+            continue
+        seen.add(code)
+        text = over_text(check, admission.pinned_bytes)
+        what = advisory if check.limit in ADVISORY_LIMITS else outcome
+        out.append(_w(code, f"{text}; {_ADMISSION_HINTS[code]}; {what}"))
+    return out
 
 
 def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:

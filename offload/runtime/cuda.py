@@ -29,6 +29,7 @@ from offload.runtime.hostmem import (
     register_host_tensor,
     retired_count,
 )
+from offload.runtime.numa import HostPlacer
 
 __all__ = ["CudaRuntime", "zero_copy_view"]
 
@@ -74,12 +75,15 @@ class CudaRuntime:
         index: the CUDA device index; the current device when None.
         piece_bytes: the largest range registered in one cudaHostRegister call (tests
             make it small to exercise host copies in several pieces).
+        numa_node: the NUMA node registered host copies are placed on before their first
+            touch (the plan's ``host_numa.node``); None leaves them to the kernel's default.
 
     Raises:
         ExecutionError: CUDA is not available.
     """
 
-    def __init__(self, index: int | None = None, *, piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(self, index: int | None = None, *, piece_bytes: int = PIECE_BYTES,
+                 numa_node: int | None = None) -> None:
         if not torch.cuda.is_available():
             raise ExecutionError("CudaRuntime needs a CUDA device; torch.cuda.is_available() is False",
                                  name="device", value="cuda")
@@ -88,6 +92,7 @@ class CudaRuntime:
         self._locked: dict[int, HostAllocation] = {}  # host data_ptr -> its page-locked memory
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
+        self._placer = HostPlacer(numa_node) if numa_node is not None else None
         self._calls = host_calls(self._device)
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # bracketed waits not yet added up
         self._waited_ms = 0.0
@@ -151,7 +156,8 @@ class CudaRuntime:
         try:
             if method is PinMethod.REGISTER:
                 locked = register_host_tensor(shape, stride, tensor.dtype, register=calls.register,
-                                              unregister=calls.unregister, piece_bytes=self._piece_bytes)
+                                              unregister=calls.unregister, piece_bytes=self._piece_bytes,
+                                              place=self._placer.place if self._placer is not None else None)
             else:
                 locked = alloc_host_tensor(shape, stride, tensor.dtype, alloc=calls.alloc, free=calls.free)
         except (HostRegisterError, OSError) as exc:
@@ -167,6 +173,12 @@ class CudaRuntime:
     def is_pinned(self, host: torch.Tensor) -> bool:
         """True when `host` is page-locked by this runtime (or otherwise)."""
         return host.data_ptr() in self._locked or bool(host.is_pinned())
+
+    @property
+    def numa_placer(self) -> HostPlacer | None:
+        """What places registered host copies on the plan's NUMA node (with its counts and
+        the reason of a fallback), or None when no node was given."""
+        return self._placer
 
     @property
     def pin_fallbacks(self) -> int:

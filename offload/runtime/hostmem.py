@@ -12,6 +12,11 @@ largest thing we put in host memory, so we never use it for them. Instead, as th
 - `alloc_host_tensor`: one ``cudaHostAlloc`` of exactly the span, for devices that cannot
   register memory in place or cannot read registered memory through the host pointer.
 
+Registered memory can be placed on a NUMA node: the `Place` callable given to
+`register_host_tensor` (`offload.runtime.numa.HostPlacer.place`) sets the mapping's
+memory policy after ``mmap`` and before anything touches its pages (registering faults
+them all in, on the policy's node). An allocation is placed by the driver, not here.
+
 Either memory is what zero-copy device views read. Registered pages are unregistered by
 `HostAllocation.release`; an allocation, and any memory whose last tensor died
 unreleased, is given back by the next `drain_retired` (never inside a CUDA graph
@@ -38,6 +43,7 @@ __all__ = [
     "Free",
     "HostAllocation",
     "HostRegisterError",
+    "Place",
     "Register",
     "Unregister",
     "alloc_host_tensor",
@@ -60,6 +66,9 @@ Unregister = Callable[[int], int]
 Alloc = Callable[[int], tuple[int, int]]
 #: ``pointer -> cudaError``: ``cudaFreeHost``.
 Free = Callable[[int], int]
+#: ``(address, nbytes) -> placed``: sets the NUMA policy of a fresh, untouched, page-aligned
+#: mapping; never raises (it logs and returns False when the memory stays unplaced).
+Place = Callable[[int, int], bool]
 #: Gives memory back; returns the CUDA errors of the calls that failed, if any.
 Release = Callable[[], list[int]]
 
@@ -89,6 +98,8 @@ class HostAllocation:
             tensor may still read it.
         finalizer: retires the memory when the last tensor over it dies without
             `release` (see `drain_retired`).
+        numa_placed: the mapping's memory policy was set before its first touch (by the
+            `Place` given to `register_host_tensor`); False when none was asked or it failed.
     """
 
     tensor: torch.Tensor
@@ -96,6 +107,7 @@ class HostAllocation:
     reserved_bytes: int
     in_place: bool
     finalizer: weakref.finalize[Any, Any]
+    numa_placed: bool = False
 
     def release(self) -> list[int]:
         """Give the memory back as soon as that is safe. Registered pages are unregistered
@@ -164,7 +176,8 @@ def _free_pointer(free: Free, pointer: int) -> Release:
 
 
 def _over(buffer: memoryview, nbytes: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
-          *, pieces: tuple[tuple[int, int], ...], reserved: int, in_place: bool, release: Release) -> HostAllocation:
+          *, pieces: tuple[tuple[int, int], ...], reserved: int, in_place: bool, release: Release,
+          numa_placed: bool = False) -> HostAllocation:
     """The tensor of `shape`, `stride` and `dtype` over `buffer`'s first `nbytes` (an empty
     one still holds the buffer), with a finalizer that retires `release` when the last
     tensor over `buffer` dies: tensors hold the buffer, so the memory is valid until then."""
@@ -173,7 +186,7 @@ def _over(buffer: memoryview, nbytes: int, shape: tuple[int, ...], stride: tuple
     finalizer = weakref.finalize(buffer, _retire, release)
     finalizer.atexit = False
     return HostAllocation(tensor=tensor, pieces=pieces, reserved_bytes=reserved, in_place=in_place,
-                          finalizer=finalizer)
+                          finalizer=finalizer, numa_placed=numa_placed)
 
 
 def register_host_tensor(
@@ -184,6 +197,7 @@ def register_host_tensor(
     register: Register,
     unregister: Unregister,
     piece_bytes: int = PIECE_BYTES,
+    place: Place | None = None,
 ) -> HostAllocation:
     """An uninitialised host tensor of exactly the pages it spans, page-locked in place.
 
@@ -192,6 +206,9 @@ def register_host_tensor(
         dtype: its dtype.
         register, unregister: the CUDA runtime calls (injected, so tests can fail them).
         piece_bytes: the largest range registered at once.
+        place: sets the fresh mapping's NUMA policy before registration touches its
+            pages (`offload.runtime.numa.HostPlacer.place`); None leaves the pages to the
+            first-touch default.
 
     Raises:
         HostRegisterError: a registration failed; nothing stays registered.
@@ -202,6 +219,8 @@ def register_host_tensor(
     mapping = mmap.mmap(-1, pages)
     buffer = memoryview(mapping)
     base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    # Before anything writes a page: registering faults every page in, where the policy says.
+    placed = place(base, pages) if place is not None else False
     done: list[tuple[int, int]] = []
     for offset in range(0, nbytes, piece_bytes):
         length = min(piece_bytes, nbytes - offset)
@@ -215,7 +234,7 @@ def register_host_tensor(
         done.append((base + offset, length))
     pieces = tuple(done)
     return _over(buffer, nbytes, shape, stride, dtype, pieces=pieces, reserved=pages, in_place=True,
-                 release=_unregister_pieces(unregister, pieces, mapping))
+                 release=_unregister_pieces(unregister, pieces, mapping), numa_placed=placed)
 
 
 def alloc_host_tensor(

@@ -24,6 +24,8 @@ from offload.pure import (
     ParamSpec,
     Platform,
 )
+from offload.pure.cgroup import CgroupMemory
+from offload.pure.numa_topology import NumaTopology
 
 __all__ = [
     "BACKENDS",
@@ -31,10 +33,12 @@ __all__ = [
     "DTYPES",
     "FILTER_SEGMENTS",
     "PARAM_NAMES",
+    "cgroup_memories",
     "env_flags",
     "env_snapshots",
     "layer_specs",
     "model_specs",
+    "numa_topologies",
     "offload_configs",
     "param_specs",
     "platforms",
@@ -237,6 +241,8 @@ def offload_configs(draw: st.DrawFn, *, max_budget: int = 20_000) -> OffloadConf
         uva_max_bytes=uva_max_bytes,
         param_filter=tuple(draw(st.lists(st.sampled_from(FILTER_SEGMENTS), max_size=2, unique=True))),
         keep_host_params=draw(st.booleans()),
+        numa_node=draw(st.sampled_from(("auto", None))),  # a node number may not exist on the platform drawn
+        host_check=draw(st.sampled_from(("refuse", "warn", "off"))),
     )
 
 
@@ -267,7 +273,34 @@ def platforms(draw: st.DrawFn) -> Platform:
         memlock_limit_bytes=draw(_OPTIONAL_BYTES),
         host_available_bytes=draw(_OPTIONAL_BYTES),
         torch_version=draw(st.sampled_from(("", "2.13.0+cpu", "2.11.0+cu130"))),
+        numa=draw(numa_topologies(has_cuda=has_cuda)),
+        cgroup_memory=draw(cgroup_memories()),
     )
+
+
+@st.composite
+def cgroup_memories(draw: st.DrawFn) -> CgroupMemory:
+    """Unknown, unlimited (v1 or v2) or limited cgroups, usage read or not."""
+    version = draw(st.sampled_from((0, 1, 2)))
+    if version == 0:
+        return CgroupMemory()
+    limit = draw(_OPTIONAL_BYTES)
+    return CgroupMemory(
+        version=version,
+        limit_bytes=limit,
+        current_bytes=draw(_OPTIONAL_BYTES),
+        reclaimable_bytes=draw(_OPTIONAL_BYTES),
+        limit_path=f"/sys/fs/cgroup/x/{'memory.max' if version == 2 else 'memory.limit_in_bytes'}",
+        cgroup_path="/x",
+    )
+
+
+@st.composite
+def numa_topologies(draw: st.DrawFn, *, has_cuda: bool = True) -> NumaTopology:
+    """Unknown, single-node or multi-node hosts; a GPU node only with CUDA (unknown or -1 too)."""
+    nodes = tuple(sorted(draw(st.sets(st.integers(0, 7), max_size=4))))
+    gpu_node = draw(st.one_of(st.none(), st.sampled_from(nodes or (0, 1)))) if has_cuda else None
+    return NumaTopology(nodes=nodes, gpu_node=gpu_node)
 
 
 def env_snapshots() -> st.SearchStrategy[EnvSnapshot]:

@@ -25,7 +25,9 @@ from offload.pure import (
     decide_uva,
     parse_env,
 )
+from offload.pure.cgroup import CgroupMemory
 from offload.pure.env import VOLATILE
+from offload.pure.numa_topology import NumaTopology
 from tests.pure.strategies import env_snapshots
 
 REPO = Path(__file__).resolve().parents[2]
@@ -284,6 +286,10 @@ def _changed(value: object) -> object:
         return value + "x"
     if isinstance(value, tuple):
         return (*value, "x")
+    if isinstance(value, NumaTopology):
+        return NumaTopology(nodes=(*value.nodes, max(value.nodes, default=-1) + 1), gpu_node=value.gpu_node)
+    if isinstance(value, CgroupMemory):
+        return CgroupMemory(version=2, limit_bytes=(value.limit_bytes or 0) + 1, limit_path="/sys/fs/cgroup/memory.max")
     raise AssertionError(f"no change known for {value!r}")
 
 
@@ -321,7 +327,8 @@ def test_fingerprint_changes_when_a_flag_changes(field: str) -> None:
 @given(env_snapshots(), env_snapshots())
 def test_different_snapshots_have_different_fingerprints(a: EnvSnapshot, b: EnvSnapshot) -> None:
     def steady(env: EnvSnapshot) -> EnvSnapshot:
-        return attrs.evolve(env, platform=attrs.evolve(env.platform, host_available_bytes=None))
+        cgroup = attrs.evolve(env.platform.cgroup_memory, current_bytes=None, reclaimable_bytes=None)
+        return attrs.evolve(env, platform=attrs.evolve(env.platform, host_available_bytes=None, cgroup_memory=cgroup))
 
     assert (a.fingerprint() == b.fingerprint()) == (steady(a) == steady(b))
 
