@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from offload.executors.hoststore import HostSource
 from offload.executors.noop import NoopOffloader
 from offload.executors.prefetch import PrefetchOffloader
 from offload.executors.uva import UVAOffloader
@@ -9,7 +12,12 @@ from offload.protocols import Offloader, Runtime
 from offload.pure.plan import Backend, OffloadPlan
 from offload.runtime.cpu import CpuRuntime
 
-__all__ = ["create_offloader", "default_runtime"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from offload.sharing.coordinate import ShareWith
+
+__all__ = ["build_executor", "create_offloader", "default_runtime"]
 
 
 def default_runtime(plan: OffloadPlan) -> Runtime:
@@ -26,24 +34,43 @@ def default_runtime(plan: OffloadPlan) -> Runtime:
     return CudaRuntime(numa_node=plan.host_numa.node)
 
 
-def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None) -> Offloader:
+def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None, *,
+                     share_with: dist.ProcessGroup | ShareWith | None = None) -> Offloader:
     """The offloader that runs `plan`.
 
     Args:
         plan: what to do (from `make_plan`).
         runtime: the effects to use; by default from the plan's platform (`default_runtime`).
+        share_with: a torch.distributed group (or `offload.sharing.ShareWith`) whose
+            members hold identical weights: its members on each host share one host copy
+            (`offload.sharing`). Every member must call this; it gathers from all of them.
 
     Returns:
         A `PrefetchOffloader`, `UVAOffloader` or `NoopOffloader`, typed as the
-        `Offloader` protocol.
+        `Offloader` protocol; with `share_with`, a `SharedOffloader` running one.
 
     Raises:
         PlanError: the plan is inconsistent with its backend (see each executor).
-        ExecutionError: the default runtime cannot be created.
+        ExecutionError: the default runtime cannot be created; with `share_with`, as
+            `offload.sharing.share_offloader` (e.g. members' weights differ).
     """
     rt = runtime if runtime is not None else default_runtime(plan)
+    if share_with is not None:
+        from offload.sharing.offloader import share_offloader
+
+        return share_offloader(plan, rt, share_with)
+    return build_executor(plan, rt)
+
+
+def build_executor(plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None) -> Offloader:
+    """The executor for `plan`'s backend on `runtime`, its host copies from `host_source`
+    first where one is given (`HostSource`).
+
+    Raises:
+        PlanError: the plan is inconsistent with its backend (see each executor).
+    """
     if plan.backend is Backend.PREFETCH:
-        return PrefetchOffloader(plan, rt)
+        return PrefetchOffloader(plan, runtime, host_source)
     if plan.backend is Backend.UVA:
-        return UVAOffloader(plan, rt)
-    return NoopOffloader(plan, rt)
+        return UVAOffloader(plan, runtime, host_source)
+    return NoopOffloader(plan, runtime)

@@ -2,13 +2,17 @@
 
 Shared by the executors so that pinning is requested in exactly one place, fallbacks are
 counted the same way, and everything taken is given back on restore.
+
+A `HostSource` may be injected (`offload.sharing` gives one whose copies lie in a segment
+shared by the processes of one host): `put` and `place` ask it first, and take their copy
+from the runtime only where it answers None; what it gave is given back to it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import final
+from typing import Protocol, final
 
 import torch
 
@@ -17,12 +21,34 @@ from offload.protocols import Runtime
 from offload.pure.decisions import PinMethod
 from offload.pure.moves import Move
 
-__all__ = ["HostStore", "Ref"]
+__all__ = ["HostSource", "HostStore", "Ref"]
 
 log = logging.getLogger(__name__)
 
 #: (layer index, parameter name relative to the layer).
 Ref = tuple[int, str]
+
+
+class HostSource(Protocol):
+    """Where host copies come from before the runtime is asked (e.g. a segment shared with
+    the other processes of the host, `offload.sharing.source.SharedHostSource`). Each call
+    answers None where it has no copy to give; the store then asks the runtime."""
+
+    def copy(self, ref: Ref, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A host copy of `tensor` (shape, strides, dtype and values) for `ref`, or None.
+
+        Raises:
+            ExecutionError: it should give one and cannot (the message says why).
+        """
+        ...
+
+    def empty(self, ref: Ref, like: torch.Tensor) -> torch.Tensor | None:
+        """Host memory shaped like `like` (which may be on meta) for a loader to fill, or None."""
+        ...
+
+    def release(self, host: torch.Tensor) -> bool:
+        """Take back `host` if it came from here (True); False leaves it to the runtime."""
+        ...
 
 
 @final
@@ -33,11 +59,13 @@ class HostStore:
         runtime: makes and releases the copies.
         pin: the plan's pin method (``plan.pin.method``); passed to every
             `Runtime.host_copy` unchanged.
+        source: asked first for every copy (`HostSource`); None: the runtime makes them all.
     """
 
-    def __init__(self, runtime: Runtime, *, pin: PinMethod) -> None:
+    def __init__(self, runtime: Runtime, *, pin: PinMethod, source: HostSource | None = None) -> None:
         self._rt = runtime
         self._pin = pin
+        self._source = source
         self._copies: dict[Ref, torch.Tensor] = {}
         self._unpinned: set[Ref] = set()  # owners whose pinned copy fell back to pageable
         # Replaced copies that something may still read (a zero-copy view another parameter
@@ -55,15 +83,19 @@ class HostStore:
                 of it may still be read.
 
         Raises:
-            ExecutionError: the runtime could not make the copy.
+            ExecutionError: the runtime (or the source) could not make the copy.
         """
-        return self._keep(ref, self._rt.host_copy(tensor, pin=self._pin), defer_release=defer_release)
+        host = self._source.copy(ref, tensor) if self._source is not None else None
+        if host is None:
+            host = self._rt.host_copy(tensor, pin=self._pin)
+        return self._keep(ref, host, defer_release=defer_release)
 
     def place(self, ref: Ref, tensor: torch.Tensor, move: Move, *, defer_release: bool = False) -> torch.Tensor:
         """Give `ref` the host copy `move` says (`OffloadPlan.move_of`), from `tensor`.
 
         - `Move.ADOPT`: `tensor` (pageable host memory, and the plan does not pin) is the
-          host copy itself: nothing is copied or allocated.
+          host copy itself: nothing is copied or allocated (unless the source gives a
+          copy: a shared one).
         - `Move.NEW_ON_HOST`: `tensor` is a meta placeholder: uninitialised exact-size host
           memory with its shape, strides and dtype, pinned as the plan says.
         - `Move.TO_HOST`, `Move.HOST_TO_PINNED`: a copy (`put`).
@@ -79,9 +111,13 @@ class HostStore:
         """
         try:
             if move is Move.ADOPT:
-                return self._keep(ref, tensor, defer_release=defer_release)
+                shared = self._source.copy(ref, tensor) if self._source is not None else None
+                return self._keep(ref, tensor if shared is None else shared, defer_release=defer_release)
             if move is Move.NEW_ON_HOST:
-                return self._keep(ref, self._rt.host_empty(tensor, pin=self._pin), defer_release=defer_release)
+                host = self._source.empty(ref, tensor) if self._source is not None else None
+                if host is None:
+                    host = self._rt.host_empty(tensor, pin=self._pin)
+                return self._keep(ref, host, defer_release=defer_release)
             if move in (Move.TO_HOST, Move.HOST_TO_PINNED):
                 return self.put(ref, tensor, defer_release=defer_release)
         except ExecutionError as exc:
@@ -104,8 +140,13 @@ class HostStore:
             if defer_release:
                 self._retired.append(previous)
             else:
-                self._rt.release_host(previous)
+                self._release(previous)
         return host
+
+    def _release(self, host: torch.Tensor) -> None:
+        """Give `host` back to where it came from: the source, else the runtime."""
+        if self._source is None or not self._source.release(host):
+            self._rt.release_host(host)
 
     def get(self, ref: Ref) -> torch.Tensor | None:
         """The copy `ref` owns, or None."""
@@ -122,12 +163,12 @@ class HostStore:
         host = self._copies.pop(ref, None)
         self._unpinned.discard(ref)
         if host is not None:
-            self._rt.release_host(host)
+            self._release(host)
 
     def release_retired(self) -> None:
         """Release the copies `put` replaced with ``defer_release=True``."""
         while self._retired:  # one at a time: a failure leaves the rest for `clear`
-            self._rt.release_host(self._retired.pop())
+            self._release(self._retired.pop())
 
     def clear(self) -> None:
         """Release every copy, retired ones included."""

@@ -47,7 +47,7 @@ from offload.executors.common import (
     torch_dtype,
     unpatch_forward,
 )
-from offload.executors.hoststore import HostStore
+from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import (
     Restorer,
@@ -81,12 +81,15 @@ class PrefetchOffloader:
     Args:
         plan: a plan whose backend is prefetch.
         runtime: the effects to use (`CudaRuntime`, `CpuRuntime`, or a fake).
+        host_source: where host copies come from before the runtime is asked
+            (`HostSource`, e.g. a segment shared by the processes of one host,
+            `offload.sharing`); None: the runtime makes them all.
 
     Raises:
         PlanError: the plan's backend is not prefetch.
     """
 
-    def __init__(self, plan: OffloadPlan, runtime: Runtime) -> None:
+    def __init__(self, plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None) -> None:
         if plan.backend is not Backend.PREFETCH:
             raise PlanError(f"PrefetchOffloader runs prefetch plans, got backend {plan.backend.value}",
                             name="backend", value=plan.backend.value)
@@ -94,7 +97,7 @@ class PrefetchOffloader:
         self._rt = runtime
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
-        self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
+        self._host = HostStore(runtime, pin=plan.pin.method, source=host_source)  # owner (layer, name) -> host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> where restore puts it
         self._restorer: Restorer | None = None
         self._hooks: list[Any] = []  # state_dict hook handles

@@ -49,7 +49,7 @@ from offload.executors.common import (
     refuse_autograd,
     unpatch_forward,
 )
-from offload.executors.hoststore import HostStore
+from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import (
     Restorer,
@@ -97,13 +97,16 @@ class UVAOffloader:
     Args:
         plan: a plan whose backend is uva.
         runtime: the effects to use (`CudaRuntime`, `CpuRuntime`, or a fake).
+        host_source: where host copies come from before the runtime is asked
+            (`HostSource`, e.g. a segment shared by the processes of one host,
+            `offload.sharing`); None: the runtime makes them all.
 
     Raises:
         PlanError: the plan's backend is not uva, it places a parameter other than UVA
             or ON_DEMAND, or it places one UVA without enabling UVA and pinning.
     """
 
-    def __init__(self, plan: OffloadPlan, runtime: Runtime) -> None:
+    def __init__(self, plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None) -> None:
         if plan.backend is not Backend.UVA:
             raise PlanError(f"UVAOffloader runs uva plans, got backend {plan.backend.value}",
                             name="backend", value=plan.backend.value)
@@ -119,7 +122,7 @@ class UVAOffloader:
         self._rt = runtime
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
-        self._host = HostStore(runtime, pin=plan.pin.method)  # owner (layer, name) -> host copy
+        self._host = HostStore(runtime, pin=plan.pin.method, source=host_source)  # owner (layer, name) -> host copy
         self._data: dict[Ref, torch.Tensor] = {}  # owner -> what its parameters point at
         self._viewed: set[Ref] = set()  # owners whose parameters point at a device view
         self._deferred: set[Ref] = set()  # UVA owners loaded after wrapping: viewed at post_init

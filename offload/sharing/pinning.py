@@ -1,0 +1,102 @@
+"""Page-locking slots of a shared segment with ``cudaHostRegister``, as the plan says.
+
+`offload.runtime.hostmem` registers memory it maps itself; a shared segment is mapped by
+`offload.sharing.segment`, and followers map it ``PROT_READ``: CUDA can only lock such a
+range with ``cudaHostRegisterReadOnly`` (the device promises not to write it). So the
+register call takes flags here. Each slot is registered on its own, in pieces of at most
+`PIECE_BYTES` (one huge registration can fail and leave a sticky error), at page-aligned
+offsets (`offload.sharing.plan.lay_out` with the page size), so no page is registered
+twice. The calls are injected (`PinCalls`), so tests can play and fail them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError, Unregister
+
+__all__ = [
+    "HOST_REGISTER_DEFAULT",
+    "HOST_REGISTER_READ_ONLY",
+    "PinCalls",
+    "RegisterWithFlags",
+    "cuda_pin_calls",
+    "register_range",
+    "unregister_pieces",
+]
+
+log = logging.getLogger(__name__)
+
+#: cudaHostRegisterDefault: what `offload.runtime.cudart` registers with (the leader's
+#: read-write mapping).
+HOST_REGISTER_DEFAULT = 0x00
+#: cudaHostRegisterReadOnly: the device only reads the range; needed for memory mapped
+#: ``PROT_READ`` (followers). Devices without cudaDevAttrHostRegisterReadOnlySupported
+#: refuse it, and the copy then stays pageable (counted as a pin fallback).
+HOST_REGISTER_READ_ONLY = 0x08
+
+#: ``(pointer, nbytes, flags) -> cudaError`` (0 for success): ``cudaHostRegister``.
+RegisterWithFlags = Callable[[int, int, int], int]
+
+
+@attrs.frozen
+class PinCalls:
+    """``cudaHostRegister`` with flags and ``cudaHostUnregister``, each returning a cudaError."""
+
+    register: RegisterWithFlags
+    unregister: Unregister
+
+
+def cuda_pin_calls(device: torch.device) -> PinCalls:
+    """The real calls for CUDA `device`, made with it current; a failed call's error is
+    cleared (as `offload.runtime.cudart.host_calls` does) so that a fallback stays one."""
+    from offload.runtime.cudart import _function, _libcudart
+
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+    last_error = _function(_libcudart(), "cudaGetLastError", ())
+
+    def checked(status: int) -> int:
+        if status and last_error is not None:
+            last_error()
+        return status
+
+    def register(pointer: int, nbytes: int, flags: int) -> int:
+        with torch.cuda.device(device):
+            return checked(int(cudart.cudaHostRegister(pointer, nbytes, flags)))
+
+    def unregister(pointer: int) -> int:
+        with torch.cuda.device(device):
+            return checked(int(cudart.cudaHostUnregister(pointer)))
+
+    return PinCalls(register=register, unregister=unregister)
+
+
+def register_range(calls: PinCalls, base: int, nbytes: int, flags: int,
+                   piece_bytes: int = PIECE_BYTES) -> tuple[tuple[int, int], ...]:
+    """Register ``[base, base + nbytes)`` in pieces of at most `piece_bytes`.
+
+    Returns:
+        (pointer, bytes) of each piece, in address order.
+
+    Raises:
+        HostRegisterError: a piece was refused; the pieces before it are unregistered.
+    """
+    done: list[tuple[int, int]] = []
+    for offset in range(0, nbytes, piece_bytes):
+        length = min(piece_bytes, nbytes - offset)
+        status = calls.register(base + offset, length, flags)
+        if status != 0:
+            unregister_pieces(calls, tuple(done))
+            raise HostRegisterError(f"cudaHostRegister (flags {flags:#x}) of {length} bytes at offset {offset} of "
+                                    f"{nbytes} failed with cudaError {status}")
+        done.append((base + offset, length))
+    return tuple(done)
+
+
+def unregister_pieces(calls: PinCalls, pieces: tuple[tuple[int, int], ...]) -> list[int]:
+    """Unregister `pieces`, last first. Returns the cudaErrors of the calls that failed."""
+    return [status for pointer, _ in reversed(pieces) if (status := calls.unregister(pointer)) != 0]
