@@ -8,6 +8,10 @@ run in the same process, on the same thread count).
 Forwards run under ``torch.no_grad()``, as inference does: `offload` refuses a forward
 that would record autograd history through offloaded weights
 (`tests/executors/test_autograd.py` tests that refusal under ``torch.enable_grad()``).
+
+Hypothesis runs without its per-example deadline: on a shared 2-core machine an example
+that takes 2 ms alone can take 300 ms under load, and a deadline would then fail a test
+whose property holds (the properties, not the timings, are what the tests check).
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("offload", deadline=None)
+settings.load_profile("offload")
 
 
 @pytest.fixture(autouse=True, scope="session")
