@@ -20,6 +20,7 @@ from offload.pure.env import ENV_VARIABLES, EnvFlags, EnvSnapshot, Platform, par
 from offload.pure.estimate import LayerEstimate, StepEstimate, Workload, estimate
 from offload.pure.fit import FitCandidate, FitResult, fit
 from offload.pure.fit_render import render_estimate, render_fit
+from offload.pure.numa import HostNuma, NumaReason, NumaTopology, decide_numa
 from offload.pure.plan import (
     PLAN_FORMAT,
     Backend,
@@ -64,10 +65,13 @@ __all__ = [
     "HostCheck",
     "HostFit",
     "HostLimit",
+    "HostNuma",
     "LayerEstimate",
     "LayerSpec",
     "LimitCheck",
     "ModelSpec",
+    "NumaReason",
+    "NumaTopology",
     "OffloadConfig",
     "OffloadPlan",
     "PLAN_FORMAT",
@@ -90,6 +94,7 @@ __all__ = [
     "check_schedule",
     "contiguous_stride",
     "decide_host_admission",
+    "decide_numa",
     "decide_pinning",
     "decide_uva",
     "estimate",
