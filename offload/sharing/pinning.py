@@ -21,6 +21,9 @@ from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError, Unregister
 
 __all__ = [
     "HOST_REGISTER_DEFAULT",
+    "HOST_REGISTER_FOLLOWER",
+    "HOST_REGISTER_MAPPED",
+    "HOST_REGISTER_PORTABLE",
     "HOST_REGISTER_READ_ONLY",
     "PinCalls",
     "RegisterWithFlags",
@@ -38,6 +41,14 @@ HOST_REGISTER_DEFAULT = 0x00
 #: ``PROT_READ`` (followers). Devices without cudaDevAttrHostRegisterReadOnlySupported
 #: refuse it, and the copy then stays pageable (counted as a pin fallback).
 HOST_REGISTER_READ_ONLY = 0x08
+#: cudaHostRegisterPortable and cudaHostRegisterMapped: the CUDA documentation promises a
+#: range "mapped and portable" under unified addressing for the default flags only, so
+#: followers ask for both explicitly beside read-only (their copies are read through the
+#: host pointer by zero-copy views).
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_MAPPED = 0x02
+#: What followers register their read-only mapping with.
+HOST_REGISTER_FOLLOWER = HOST_REGISTER_READ_ONLY | HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
 
 #: ``(pointer, nbytes, flags) -> cudaError`` (0 for success): ``cudaHostRegister``.
 RegisterWithFlags = Callable[[int, int, int], int]

@@ -28,7 +28,7 @@ from offload.pure.decisions import PinMethod
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError
 from offload.sharing.pinning import (
     HOST_REGISTER_DEFAULT,
-    HOST_REGISTER_READ_ONLY,
+    HOST_REGISTER_FOLLOWER,
     PinCalls,
     cuda_pin_calls,
     register_range,
@@ -249,7 +249,7 @@ class SharedHostSource:
         """Register the slot (read-only on followers); on failure it stays pageable."""
         if self._calls is None:
             self._calls = cuda_pin_calls(self._device)
-        flags = HOST_REGISTER_DEFAULT if self._leader else HOST_REGISTER_READ_ONLY
+        flags = HOST_REGISTER_DEFAULT if self._leader else HOST_REGISTER_FOLLOWER
         try:
             self._pieces[slot.ref] = register_range(self._calls, view.data_ptr(), slot.nbytes, flags,
                                                     self._piece_bytes)

@@ -14,7 +14,7 @@ from offload.executors.hoststore import HostStore
 from offload.pure.decisions import PinMethod
 from offload.pure.moves import Move
 from offload.runtime.cpu import CpuRuntime
-from offload.sharing.pinning import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY
+from offload.sharing.pinning import HOST_REGISTER_DEFAULT, HOST_REGISTER_FOLLOWER, HOST_REGISTER_READ_ONLY
 from offload.sharing.plan import CACHE_LINE, SegmentLayout, lay_out
 from offload.sharing.segment import SegmentMapping, create_segment, open_segment, unlink_segment
 from offload.sharing.source import SharedHostSource, same_sample
@@ -151,7 +151,8 @@ def test_registration_is_per_slot_read_only_on_followers_and_undone_on_close(
     assert len(pins.registered) == 2 * len(refs)
     leader_calls, follower_calls = pins.registered[:len(refs)], pins.registered[len(refs):]
     assert {flags for _, _, flags in leader_calls} == {HOST_REGISTER_DEFAULT}
-    assert {flags for _, _, flags in follower_calls} == {HOST_REGISTER_READ_ONLY}
+    assert {flags for _, _, flags in follower_calls} == {HOST_REGISTER_FOLLOWER}
+    assert HOST_REGISTER_FOLLOWER & HOST_REGISTER_READ_ONLY
     for (pointer, nbytes, _), s in zip(follower_calls, layout.slots, strict=True):
         assert pointer == follower.base + s.offset and nbytes == s.nbytes and pointer % PAGE == 0
     lead.copy(refs[0], w[refs[0]])

@@ -30,7 +30,12 @@ from offload.pure.decisions import PinMethod
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing import SharedOffloader, ShareWith, render_sharing, share_offloader
 from offload.sharing.coordinate import Membership
-from offload.sharing.pinning import HOST_REGISTER_DEFAULT, HOST_REGISTER_READ_ONLY
+from offload.sharing.pinning import (
+    HOST_REGISTER_DEFAULT,
+    HOST_REGISTER_MAPPED,
+    HOST_REGISTER_PORTABLE,
+    HOST_REGISTER_READ_ONLY,
+)
 from offload.sharing.segment import SHM_DIR
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import CUDA_LIKE, cpu_plan, snapshot
@@ -398,7 +403,11 @@ def test_a_pinned_plan_registers_each_slot_once_read_only_on_followers() -> None
         return equal and all(p % mmap.PAGESIZE == 0 for p, _, _ in pins.registered), off.sharing.role, str(flags)
 
     results = [o.get() for o in run_members(2, member)]
-    assert results == [(True, "leader", str({HOST_REGISTER_DEFAULT})), (True, "follower", str({HOST_REGISTER_READ_ONLY}))]
+    # Followers: read-only, and mapped and portable explicitly (the CUDA documentation
+    # promises those under unified addressing only for the default flags).
+    follower = HOST_REGISTER_READ_ONLY | HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
+    assert follower == 0x0B
+    assert results == [(True, "leader", str({HOST_REGISTER_DEFAULT})), (True, "follower", str({follower}))]
     assert sorted(pins.unregistered) == sorted(p for p, _, _ in pins.registered)  # all undone by restore
 
 
