@@ -155,6 +155,10 @@ class HostStore:
     def __contains__(self, ref: object) -> bool:
         return ref in self._copies
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every copy held (retired ones not included)."""
+        return list(self._copies.values())
+
     def __iter__(self) -> Iterator[Ref]:
         return iter(self._copies)
 

@@ -47,6 +47,7 @@ __all__ = [
     "mark",
     "move_all",
     "move_resident",
+    "point_at_host_copies",
     "restore_place",
     "resync_data",
     "state_dict_hook",
@@ -176,6 +177,16 @@ def admit(plan: OffloadPlan) -> None:
             "pass OffloadConfig(host_check='warn') to offload anyway (the kernel may kill the process)",
             name=name, value=value)
     log.warning("host memory check (host_check='warn', offloading anyway): the plan %s", admission.message)
+
+
+def point_at_host_copies(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore) -> None:
+    """Point every offloaded parameter that still exists at the host copy behind it."""
+    for p in plan.offloaded_params:
+        param = find_parameter(layers[p.layer], p.name)
+        owner = host_owner(p, store)
+        host = store.get(owner) if owner is not None else None
+        if param is not None and host is not None:
+            param.data = host
 
 
 def claim(layers: Sequence[nn.Module], owner: object) -> None:

@@ -38,7 +38,6 @@ from offload.executors.common import (
     find_parameter,
     first_float_tensor,
     host_of,
-    host_owner,
     normal_tensors,
     patch_forward,
     profiling,
@@ -56,6 +55,7 @@ from offload.executors.moving import (
     held_storages,
     mark,
     move_all,
+    point_at_host_copies,
     resync_data,
     state_dict_hook,
     take_replacements,
@@ -221,12 +221,7 @@ class PrefetchOffloader:
     def _drop_buffers(self) -> None:
         """Point every offloaded parameter at its host copy and let go of the static
         buffers and of everything in flight (call with nothing in flight)."""
-        for p in self._plan.offloaded_params:
-            param = find_parameter(self._layers[p.layer], p.name)
-            owner = host_owner(p, self._host)
-            host = self._host.get(owner) if owner is not None else None
-            if param is not None and host is not None:
-                param.data = host
+        point_at_host_copies(self._plan, self._layers, self._host)
         self._buffers.clear()
         self._copies = []
         self._bound = []
@@ -251,6 +246,9 @@ class PrefetchOffloader:
             if param is None or p.slot is None:
                 raise ExecutionError(f"layer {p.layer} parameter {p.name!r} vanished during post_init",
                                      name=p.name, value=p.layer)
+            found = slot_params.setdefault(p.layer, [])  # each parameter of a layer once (ties included)
+            if all(param is not seen for seen in found):
+                found.append(param)
             if not owns_buffer(p) and p.tied_to is not None:
                 primary = find_parameter(self._layers[p.layer], p.tied_to[1])
                 if primary is None:
@@ -262,11 +260,6 @@ class PrefetchOffloader:
             param.data = buffer
             self._bound[position_of[p.layer]].append((param, buffer))
             self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
-        for p in plan.offloaded_params:  # every offloaded parameter of a layer, each once (ties included)
-            param = find_parameter(self._layers[p.layer], p.name)
-            found = slot_params.setdefault(p.layer, [])
-            if param is not None and all(param is not seen for seen in found):
-                found.append(param)
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
         self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host in copies) for copies in self._copies]
         for position in plan.schedule.initial:
@@ -612,9 +605,8 @@ class PrefetchOffloader:
             raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         slots = [t for buffers in self._buffers.values() for t in buffers.values()]
-        hosts = [h for ref in self._host if (h := self._host.get(ref)) is not None]
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                              slots=slots, hosts=hosts)
+                              slots=slots, hosts=self._host.tensors())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward

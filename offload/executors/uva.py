@@ -58,6 +58,7 @@ from offload.executors.moving import (
     held_storages,
     mark,
     move_all,
+    point_at_host_copies,
     resync_data,
     state_dict_hook,
     take_replacements,
@@ -249,15 +250,6 @@ class UVAOffloader:
                 if param is not None:
                     param.data = self._attach(p, held)
 
-    def _point_at_host_copies(self) -> None:
-        """Point every offloaded parameter at the host copy behind its data."""
-        for p in self._plan.offloaded_params:
-            param = find_parameter(self._layers[p.layer], p.name)
-            owner = host_owner(p, self._host)
-            host = self._host.get(owner) if owner is not None else None
-            if param is not None and host is not None:
-                param.data = host
-
     def _hook_on_demand(self) -> None:
         """Work out which parameters each layer copies per call; hook layers that need it."""
         self._on_demand = on_demand_layers(self._plan.offloaded_params, self._host, self._viewed)
@@ -373,9 +365,9 @@ class UVAOffloader:
             self._check_unchanged(layer, sites)  # data pointers: eager only
             if profiling():
                 with torch.profiler.record_function(f"offload.copy on demand layer {layer}"):
-                    tensors = self.copies_for(layer)
+                    tensors = self._copy(layer, copies)
             else:
-                tensors = self.copies_for(layer)
+                tensors = self._copy(layer, copies)
             self._running.add(layer)
             try:
                 return run_swapped(sites, copies, tensors, forward, args, kwargs)
@@ -423,8 +415,9 @@ class UVAOffloader:
                 memory, or a copy failed.
         """
         copies = self._copies_of(layer)
-        if copies is None:
-            return []
+        return [] if copies is None else self._copy(layer, copies)
+
+    def _copy(self, layer: int, copies: LayerCopies) -> list[torch.Tensor]:
         if layer == self._first_on_demand:
             self._steps += 1
             if self._step_log.active:
@@ -488,7 +481,7 @@ class UVAOffloader:
         if not restorer.started:
             held = held_storages(self._host, self._data.values())
             take_replacements(self._plan, self._layers, self._host, held, self._rt)
-        self._point_at_host_copies()
+        point_at_host_copies(self._plan, self._layers, self._host)
         self._data.clear()
         self._viewed.clear()
         self._sources.clear()
@@ -541,9 +534,8 @@ class UVAOffloader:
             raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         views = [self._data[owner] for owner in self._viewed if owner in self._data]
-        hosts = [h for ref in self._host if (h := self._host.get(ref)) is not None]
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                              views=views, hosts=hosts)
+                              views=views, hosts=self._host.tensors())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
