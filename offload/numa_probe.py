@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import torch
@@ -47,6 +48,23 @@ def _read(path: Path) -> str | None:
         return None
 
 
+T = TypeVar("T")
+
+
+def _read_parsed(path: Path, parse: Callable[[str], T], unknown: str, notes: list[str]) -> T | None:
+    """`parse` of the file at `path`; None, with a note ending in `unknown`, when it cannot
+    be read or parsed."""
+    text = _read(path)
+    if text is None:
+        notes.append(f"could not read {path}; {unknown}")
+        return None
+    try:
+        return parse(text)
+    except ValueError as exc:
+        notes.append(f"{path}: {exc}; {unknown}")
+        return None
+
+
 def probe_numa(root: str | Path = "/", *, bus_id: str | None) -> tuple[NumaTopology, tuple[str, ...]]:
     """The host's NUMA nodes and the GPU's, read from the sysfs under `root`.
 
@@ -61,18 +79,10 @@ def probe_numa(root: str | Path = "/", *, bus_id: str | None) -> tuple[NumaTopol
     """
     base = Path(root)
     notes: list[str] = []
-    nodes: tuple[int, ...] = ()
     online = base / NODE_ONLINE
-    text = _read(online)
-    if text is None:
-        notes.append(f"could not read {online}; NUMA nodes unknown")
-    else:
-        try:
-            nodes = parse_node_list(text)
-        except ValueError as exc:
-            notes.append(f"{online}: {exc}; NUMA nodes unknown")
-        if not nodes and not notes:
-            notes.append(f"{online} lists no nodes; NUMA nodes unknown")
+    nodes = _read_parsed(online, parse_node_list, "NUMA nodes unknown", notes) or ()
+    if not nodes and not notes:
+        notes.append(f"{online} lists no nodes; NUMA nodes unknown")
     gpu_node: int | None = None
     if bus_id is not None:
         try:
@@ -81,18 +91,11 @@ def probe_numa(root: str | Path = "/", *, bus_id: str | None) -> tuple[NumaTopol
             notes.append(f"{exc}; the GPU's NUMA node unknown")
             return NumaTopology(nodes=nodes), tuple(notes)
         path = base / PCI_NUMA_NODE.format(bus_id=name)
-        text = _read(path)
-        if text is None:
-            notes.append(f"could not read {path}; the GPU's NUMA node unknown")
-        else:
-            try:
-                gpu_node = parse_numa_node(text)
-            except ValueError as exc:
-                notes.append(f"{path}: {exc}; the GPU's NUMA node unknown")
-            if gpu_node is not None and nodes and gpu_node not in nodes:
-                notes.append(f"{path} says node {gpu_node}, which is not online "
-                             f"({format_node_list(nodes)}); the GPU's NUMA node unknown")
-                gpu_node = None
+        gpu_node = _read_parsed(path, parse_numa_node, "the GPU's NUMA node unknown", notes)
+        if gpu_node is not None and nodes and gpu_node not in nodes:
+            notes.append(f"{path} says node {gpu_node}, which is not online "
+                         f"({format_node_list(nodes)}); the GPU's NUMA node unknown")
+            gpu_node = None
     return NumaTopology(nodes=nodes, gpu_node=gpu_node), tuple(notes)
 
 
