@@ -17,7 +17,7 @@ from torch import nn
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, inputs, snapshot, uva
 from tests.executors.models import TiedBlock, layer_list, mixed_model, transformer_model
-from tests.executors.uva_helpers import copies_per_forward, cross_layer_tied_model, on_demand_plan, owner
+from tests.executors.uva_helpers import copied_per_layer, copies_per_forward, cross_layer_tied_model, on_demand_plan
 
 SHAPES = ((2, 5), (2, 5), (2, 5))
 
@@ -82,11 +82,7 @@ def test_inductor_fullgraph_close_and_copies_freed_layer_by_layer() -> None:
     off = uva(plan, runtime)
     off.wrap_modules(layer_list(model))
     off.post_init()
-    nbytes = {(p.layer, p.name): p.nbytes for p in plan.offloaded_params if p.tied_to is None}
-    owners: dict[int, set[tuple[int, str]]] = {}
-    for p in plan.offloaded_params:
-        owners.setdefault(p.layer, set()).add(owner(p))
-    per_layer = {layer: sum(nbytes[o] for o in used) for layer, used in owners.items()}
+    per_layer = {layer: nbytes for layer, (_, nbytes) in copied_per_layer(plan).items()}
     assert len(per_layer) >= 4
     compiled = torch.compile(model, fullgraph=True)
     for x in inputs(seed=6, shapes=((1, 3), (1, 3))):

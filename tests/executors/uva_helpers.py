@@ -13,6 +13,7 @@ from tests.executors.models import HIDDEN, Mlp
 __all__ = [
     "ALL",
     "OptionalTiedBlock",
+    "copied_per_layer",
     "copies_per_forward",
     "cross_layer_tied_model",
     "on_demand_plan",
@@ -55,15 +56,20 @@ def storages(plan: OffloadPlan) -> int:
     return sum(p.tied_to is None for p in plan.offloaded_params)
 
 
-def copies_per_forward(plan: OffloadPlan) -> tuple[int, int]:
-    """(copies, bytes) one on-demand forward makes: each layer copies each storage its
+def copied_per_layer(plan: OffloadPlan) -> dict[int, tuple[int, int]]:
+    """Per layer, (copies, bytes) of one on-demand call: the layer copies each storage its
     offloaded parameters use once, whichever layer owns it."""
     nbytes = {(p.layer, p.name): p.nbytes for p in plan.offloaded_params if p.tied_to is None}
     per_layer: dict[int, set[tuple[int, str]]] = {}
     for p in plan.offloaded_params:
         per_layer.setdefault(p.layer, set()).add(owner(p))
-    used = [o for owners in per_layer.values() for o in owners]
-    return len(used), sum(nbytes[o] for o in used)
+    return {layer: (len(used), sum(nbytes[o] for o in used)) for layer, used in per_layer.items()}
+
+
+def copies_per_forward(plan: OffloadPlan) -> tuple[int, int]:
+    """(copies, bytes) one on-demand forward makes (`copied_per_layer`, summed)."""
+    per_layer = copied_per_layer(plan).values()
+    return sum(c for c, _ in per_layer), sum(n for _, n in per_layer)
 
 
 def cross_layer_tied_model(*, seed: int = 0) -> nn.Sequential:
