@@ -5,6 +5,9 @@
   events, copies, capture state). `CudaRuntime` is the real one; `CpuRuntime` runs the
   same executor code on a machine without a GPU; tests inject recording fakes. Executors
   never call ``torch.cuda`` themselves.
+- `HostBlocks`: what a runtime offers, beside `Runtime`, to hold several host copies in
+  one allocation (one copy per prefetched layer, `offload.pure.blocks`). A runtime without
+  it gets one host copy per storage and one memcpy per buffer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
     from offload.executors.live import LiveCheck
     from offload.stats import OffloadStats
 
-__all__ = ["Event", "Offloader", "Runtime"]
+__all__ = ["Event", "HostBlocks", "Offloader", "Runtime"]
 
 
 @runtime_checkable
@@ -172,4 +175,26 @@ class Runtime(Protocol):
 
     def synchronize(self) -> None:
         """Block the host until every stream of this runtime is idle."""
+        ...
+
+
+@runtime_checkable
+class HostBlocks(Protocol):
+    """Several host copies in one allocation (see the module docstring)."""
+
+    def host_block(self, likes: Sequence[torch.Tensor], *, pin: PinMethod) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Uninitialised exact-size host tensors with each of `likes`' shape, strides and
+        dtype (`likes` may be on meta), back to back in one allocation in that order,
+        page-locked as `pin` says (falling back, all of them, as `Runtime.host_copy` does).
+
+        Each tensor has a storage of its own. `Runtime.is_pinned` answers for each, and
+        `Runtime.release_host` takes each; the allocation is given back when the last is.
+
+        Returns:
+            A flat ``uint8`` view of the whole allocation (for copies of several members
+            at once; `Runtime.copy_after` accepts its slices as sources), and the tensors.
+
+        Raises:
+            ExecutionError: the allocation failed.
+        """
         ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from typing import final
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from offload.errors import ExecutionError
 from offload.pure.decisions import PinMethod
 from offload.runtime.copies import span_chunks
+from offload.runtime.hostmem import pageable_block
 
 __all__ = ["CpuEvent", "CpuRuntime"]
 
@@ -100,6 +102,23 @@ class CpuRuntime:
         except RuntimeError as exc:
             raise ExecutionError(f"host allocation of a {tuple(like.shape)} {like.dtype} tensor failed: {exc}",
                                  name="host_empty", value=tuple(like.shape)) from exc
+
+    def host_block(self, likes: Sequence[torch.Tensor], *,
+                   pin: PinMethod) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Uninitialised host tensors shaped like `likes`, back to back in one anonymous
+        mapping (`offload.protocols.HostBlocks`); the mapping goes with its last tensor.
+
+        Raises:
+            ExecutionError: `pin` is not `PinMethod.NONE` (as `host_copy`), or the mapping
+                failed.
+        """
+        _refuse_pin(pin)
+        try:
+            block = pageable_block([(tuple(t.shape), tuple(t.stride()), t.dtype) for t in likes])
+        except (OSError, RuntimeError) as exc:
+            raise ExecutionError(f"host block of {len(likes)} tensors failed: {exc}",
+                                 name="host_block", value=len(likes)) from exc
+        return block.tensor, list(block.members)
 
     def is_pinned(self, host: torch.Tensor) -> bool:
         """Never: nothing is pinned without CUDA."""

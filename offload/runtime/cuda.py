@@ -9,8 +9,10 @@ Host-to-device copies move the source's byte span, one memcpy per registered pie
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 import logging
+from collections.abc import Sequence
 from typing import Any, final
 
 import torch
@@ -24,8 +26,12 @@ from offload.runtime.hostmem import (
     PIECE_BYTES,
     HostAllocation,
     HostRegisterError,
+    Layout,
+    alloc_host_block,
     alloc_host_tensor,
     drain_retired,
+    pageable_block,
+    register_host_block,
     register_host_tensor,
     retired_count,
 )
@@ -68,6 +74,20 @@ def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @final
+class _Block:
+    """A host block this runtime handed out (`CudaRuntime.host_block`): its memory (None
+    when pageable) and the members not yet released."""
+
+    __slots__ = ("allocation", "live", "nbytes", "start")
+
+    def __init__(self, allocation: HostAllocation | None, flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
+        self.allocation = allocation
+        self.start = flat.data_ptr()
+        self.nbytes = flat.numel()
+        self.live = {m.data_ptr() for m in members}
+
+
+@final
 class CudaRuntime:
     """Runs executors on ``cuda:index`` with one side stream for host-to-device copies.
 
@@ -90,6 +110,9 @@ class CudaRuntime:
         self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self._copy_stream = copy_stream(self._device)
         self._locked: dict[int, HostAllocation] = {}  # host data_ptr -> its page-locked memory
+        self._member_of: dict[int, _Block] = {}  # data_ptr of a live member of a block -> the block
+        self._block_starts: list[int] = []  # sorted start addresses of the live page-locked blocks
+        self._block_at: dict[int, _Block] = {}  # start address -> page-locked block
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
         self._placer = HostPlacer(numa_node) if numa_node is not None else None
@@ -142,6 +165,58 @@ class CudaRuntime:
                 value=tuple(like.shape),
             ) from exc
 
+    def host_block(self, likes: Sequence[torch.Tensor], *,
+                   pin: PinMethod) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Uninitialised host tensors shaped like `likes`, back to back in one allocation of
+        exactly their bytes (`offload.protocols.HostBlocks`), page-locked as `pin` says:
+        registered in place or one page-locked allocation, as `host_copy`; if that fails,
+        all of them stay pageable (logged once, each counted in `pin_fallbacks`).
+
+        Raises:
+            ExecutionError: the allocation failed.
+        """
+        layouts: list[Layout] = [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in likes]
+        try:
+            locked = None if pin is PinMethod.NONE else self._pinned_block(layouts, pin)
+            allocation = locked if locked is not None else pageable_block(layouts)
+        except (RuntimeError, OSError) as exc:
+            raise ExecutionError(f"host block ({pin.value}) of {len(likes)} tensors failed: {exc}",
+                                 name="host_block", value=len(likes)) from exc
+        block = _Block(locked, allocation.tensor, allocation.members)
+        if locked is not None:
+            for ptr in block.live:
+                self._member_of[ptr] = block
+            bisect.insort(self._block_starts, block.start)
+            self._block_at[block.start] = block
+        return allocation.tensor, list(allocation.members)
+
+    def _pinned_block(self, layouts: Sequence[Layout], method: PinMethod) -> HostAllocation | None:
+        """The page-locked block, or None after a logged and counted fallback."""
+        self._drain()
+        calls = self._calls
+        try:
+            if method is PinMethod.REGISTER:
+                return register_host_block(layouts, register=calls.register, unregister=calls.unregister,
+                                           piece_bytes=self._piece_bytes,
+                                           place=self._placer.place if self._placer is not None else None)
+            return alloc_host_block(layouts, alloc=calls.alloc, free=calls.free)
+        except (HostRegisterError, OSError) as exc:
+            self._fallbacks += len(layouts)
+            if self._fallbacks == len(layouts):
+                log.warning("pinning host memory (%s) failed (%s); this and later failures fall back to "
+                            "pageable memory, which is slower and cannot be captured in CUDA graphs",
+                            method.value, exc)
+            return None
+
+    def _block_of(self, host: torch.Tensor) -> _Block | None:
+        """The page-locked block whose memory `host` starts in, if any."""
+        ptr = host.data_ptr()
+        at = bisect.bisect_right(self._block_starts, ptr) - 1
+        if at < 0:
+            return None
+        block = self._block_at[self._block_starts[at]]
+        return block if ptr < block.start + block.nbytes else None
+
     def _drain(self) -> None:
         """Give back host memory whose tensors died unreleased (never inside a capture)."""
         if retired_count() and not torch.cuda.is_current_stream_capturing():
@@ -172,7 +247,8 @@ class CudaRuntime:
 
     def is_pinned(self, host: torch.Tensor) -> bool:
         """True when `host` is page-locked by this runtime (or otherwise)."""
-        return host.data_ptr() in self._locked or bool(host.is_pinned())
+        ptr = host.data_ptr()
+        return ptr in self._locked or ptr in self._member_of or bool(host.is_pinned())
 
     @property
     def numa_placer(self) -> HostPlacer | None:
@@ -187,8 +263,16 @@ class CudaRuntime:
 
     def release_host(self, host: torch.Tensor) -> None:
         """Give back `host`'s page-locked memory: registered pages are unregistered now
-        (they stay readable); an allocation is freed once no tensor uses it."""
+        (they stay readable); an allocation is freed once no tensor uses it. A member of a
+        block gives the block back with the last of its members."""
         locked = self._locked.pop(host.data_ptr(), None)
+        block = self._member_of.pop(host.data_ptr(), None)
+        if block is not None:
+            block.live.discard(host.data_ptr())
+            if not block.live and block.allocation is not None:  # the last member: the block goes
+                locked = block.allocation
+                del self._block_at[block.start]
+                self._block_starts.remove(block.start)
         if locked is not None:
             for status in locked.release():
                 log.warning("cudaHostUnregister failed with cudaError %d", status)
@@ -227,6 +311,9 @@ class CudaRuntime:
     def _chunks(self, dst: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`span_chunks` with the pieces `host` is registered in (one memcpy per piece)."""
         locked = self._locked.get(host.data_ptr())
+        if locked is None and self._block_starts:  # a member of a block, or a slice of one
+            block = self._block_of(host)
+            locked = block.allocation if block is not None else None
         # One registered piece has no boundary inside the tensor to cut at.
         pieces = locked.pieces if locked is not None and len(locked.pieces) > 1 else ()
         return span_chunks(dst, host, pieces)

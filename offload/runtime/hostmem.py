@@ -31,7 +31,7 @@ import math
 import mmap
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -46,8 +46,13 @@ __all__ = [
     "Place",
     "Register",
     "Unregister",
+    "Layout",
+    "alloc_host_block",
     "alloc_host_tensor",
+    "block_bytes",
     "drain_retired",
+    "pageable_block",
+    "register_host_block",
     "register_host_tensor",
     "retired_count",
     "span_bytes",
@@ -100,6 +105,9 @@ class HostAllocation:
             `release` (see `drain_retired`).
         numa_placed: the mapping's memory policy was set before its first touch (by the
             `Place` given to `register_host_tensor`); False when none was asked or it failed.
+        members: for a block (`register_host_block`, `alloc_host_block`), the tensors it
+            holds back to back, each over its own storage; `tensor` is then a flat
+            ``uint8`` view of the whole block. Empty for a single tensor.
     """
 
     tensor: torch.Tensor
@@ -108,6 +116,7 @@ class HostAllocation:
     in_place: bool
     finalizer: weakref.finalize[Any, Any]
     numa_placed: bool = False
+    members: tuple[torch.Tensor, ...] = ()
 
     def release(self) -> list[int]:
         """Give the memory back as soon as that is safe. Registered pages are unregistered
@@ -189,6 +198,65 @@ def _over(buffer: memoryview, nbytes: int, shape: tuple[int, ...], stride: tuple
                           finalizer=finalizer, numa_placed=numa_placed)
 
 
+#: (shape, stride, dtype) of one tensor of a block.
+Layout = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+def block_bytes(layouts: Sequence[Layout]) -> list[int]:
+    """The span in bytes of each tensor of a block (they lie back to back)."""
+    return [span_bytes(shape, stride, torch.empty((), dtype=dtype).element_size()) for shape, stride, dtype in layouts]
+
+
+def _block_over(buffer: memoryview, layouts: Sequence[Layout], sizes: Sequence[int], *,
+                pieces: tuple[tuple[int, int], ...], reserved: int, in_place: bool, release: Release | None,
+                numa_placed: bool = False) -> HostAllocation:
+    """The tensors of `layouts` back to back over `buffer`, each over a storage of its own
+    (so that nothing sees them as views of one tensor: a state dict of them saves each
+    alone), and a flat ``uint8`` view of them all; with `_over`'s finalizer (none that
+    does anything when `release` is None: the memory is the buffer's, gone with it)."""
+    total = sum(sizes)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=max(total, 1))[:total]
+    members: list[torch.Tensor] = []
+    offset = 0
+    for (shape, stride, dtype), nbytes in zip(layouts, sizes, strict=True):
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=max(nbytes, 1), offset=offset)[:nbytes]
+        members.append(torch.as_strided(raw.view(dtype), shape, stride))
+        offset += nbytes
+    finalizer = weakref.finalize(buffer, _retire, release) if release is not None else weakref.finalize(buffer, _keep)
+    finalizer.atexit = False
+    return HostAllocation(tensor=flat, pieces=pieces, reserved_bytes=reserved, in_place=in_place,
+                          finalizer=finalizer, numa_placed=numa_placed, members=tuple(members))
+
+
+def _register_pages(nbytes: int, *, register: Register, unregister: Unregister, piece_bytes: int,
+                    place: Place | None) -> tuple[memoryview, tuple[tuple[int, int], ...], int, Release, bool]:
+    """Map the pages `nbytes` span and register them in pieces: (buffer, pieces, pages
+    mapped, release, placed on the NUMA node).
+
+    Raises:
+        HostRegisterError: a registration failed; nothing stays registered.
+    """
+    pages = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    mapping = mmap.mmap(-1, pages)
+    buffer = memoryview(mapping)
+    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    # Before anything writes a page: registering faults every page in, where the policy says.
+    placed = place(base, pages) if place is not None else False
+    done: list[tuple[int, int]] = []
+    for offset in range(0, nbytes, piece_bytes):
+        length = min(piece_bytes, nbytes - offset)
+        status = register(base + offset, length)
+        if status != 0:
+            for pointer, _ in reversed(done):
+                unregister(pointer)
+            raise HostRegisterError(
+                f"cudaHostRegister of {length} bytes at offset {offset} of {nbytes} failed with cudaError {status}"
+            )
+        done.append((base + offset, length))
+    pieces = tuple(done)
+    return buffer, pieces, pages, _unregister_pieces(unregister, pieces, mapping), placed
+
+
 def register_host_tensor(
     shape: tuple[int, ...],
     stride: tuple[int, ...],
@@ -215,26 +283,47 @@ def register_host_tensor(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = span_bytes(shape, stride, itemsize)
-    pages = max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    mapping = mmap.mmap(-1, pages)
-    buffer = memoryview(mapping)
-    base = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
-    # Before anything writes a page: registering faults every page in, where the policy says.
-    placed = place(base, pages) if place is not None else False
-    done: list[tuple[int, int]] = []
-    for offset in range(0, nbytes, piece_bytes):
-        length = min(piece_bytes, nbytes - offset)
-        status = register(base + offset, length)
-        if status != 0:
-            for pointer, _ in reversed(done):
-                unregister(pointer)
-            raise HostRegisterError(
-                f"cudaHostRegister of {length} bytes at offset {offset} of {nbytes} failed with cudaError {status}"
-            )
-        done.append((base + offset, length))
-    pieces = tuple(done)
+    buffer, pieces, pages, release, placed = _register_pages(nbytes, register=register, unregister=unregister,
+                                                             piece_bytes=piece_bytes, place=place)
     return _over(buffer, nbytes, shape, stride, dtype, pieces=pieces, reserved=pages, in_place=True,
-                 release=_unregister_pieces(unregister, pieces, mapping), numa_placed=placed)
+                 release=release, numa_placed=placed)
+
+
+def register_host_block(
+    layouts: Sequence[Layout],
+    *,
+    register: Register,
+    unregister: Unregister,
+    piece_bytes: int = PIECE_BYTES,
+    place: Place | None = None,
+) -> HostAllocation:
+    """Uninitialised host tensors of `layouts`, back to back in one mapping of exactly the
+    pages they span, page-locked in place (as `register_host_tensor`); see
+    `HostAllocation.members`. Giving the block back is all or nothing.
+
+    Raises:
+        HostRegisterError: a registration failed; nothing stays registered.
+    """
+    sizes = block_bytes(layouts)
+    buffer, pieces, pages, release, placed = _register_pages(sum(sizes), register=register, unregister=unregister,
+                                                             piece_bytes=piece_bytes, place=place)
+    return _block_over(buffer, layouts, sizes, pieces=pieces, reserved=pages, in_place=True, release=release,
+                       numa_placed=placed)
+
+
+def _alloc_pinned(nbytes: int, *, alloc: Alloc, free: Free) -> tuple[memoryview, int, Release]:
+    """One page-locked allocation of `nbytes` (at least 1): (buffer, bytes reserved, release).
+
+    Raises:
+        HostRegisterError: the allocation failed; nothing was taken.
+    """
+    size = max(nbytes, 1)
+    status, pointer = alloc(size)
+    if status != 0 or pointer == 0:
+        raise HostRegisterError(f"cudaHostAlloc of {size} bytes failed with cudaError {status}")
+    buffer = memoryview((ctypes.c_ubyte * size).from_address(pointer)).cast("B")
+    reserved = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    return buffer, reserved, _free_pointer(free, pointer)
 
 
 def alloc_host_tensor(
@@ -258,11 +347,32 @@ def alloc_host_tensor(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = span_bytes(shape, stride, itemsize)
-    size = max(nbytes, 1)
-    status, pointer = alloc(size)
-    if status != 0 or pointer == 0:
-        raise HostRegisterError(f"cudaHostAlloc of {size} bytes failed with cudaError {status}")
-    buffer = memoryview((ctypes.c_ubyte * size).from_address(pointer)).cast("B")
-    reserved = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    buffer, reserved, release = _alloc_pinned(nbytes, alloc=alloc, free=free)
     return _over(buffer, nbytes, shape, stride, dtype, pieces=(), reserved=reserved, in_place=False,
-                 release=_free_pointer(free, pointer))
+                 release=release)
+
+
+def alloc_host_block(layouts: Sequence[Layout], *, alloc: Alloc, free: Free) -> HostAllocation:
+    """Uninitialised host tensors of `layouts`, back to back in one page-locked allocation
+    of exactly their bytes (as `alloc_host_tensor`); see `HostAllocation.members`.
+
+    Raises:
+        HostRegisterError: the allocation failed; nothing was taken.
+    """
+    sizes = block_bytes(layouts)
+    buffer, reserved, release = _alloc_pinned(sum(sizes), alloc=alloc, free=free)
+    return _block_over(buffer, layouts, sizes, pieces=(), reserved=reserved, in_place=False, release=release)
+
+
+def pageable_block(layouts: Sequence[Layout]) -> HostAllocation:
+    """Uninitialised pageable host tensors of `layouts`, back to back in one anonymous
+    mapping (page-aligned, so every member keeps the alignment of its offset); see
+    `HostAllocation.members`. Nothing is locked; the mapping goes when its last tensor dies."""
+    sizes = block_bytes(layouts)
+    pages = max(mmap.PAGESIZE, -(-sum(sizes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    return _block_over(memoryview(mmap.mmap(-1, pages)), layouts, sizes, pieces=(), reserved=pages,
+                       in_place=False, release=None)
+
+
+def _keep() -> None:
+    """Nothing to give back (see `pageable_block`)."""

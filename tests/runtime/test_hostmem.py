@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from offload import CpuRuntime, ExecutionError, PinMethod
+from offload.runtime.copies import span_chunks
 from offload.runtime.hostmem import (
     HostRegisterError,
+    Layout,
+    alloc_host_block,
     alloc_host_tensor,
     drain_retired,
+    pageable_block,
+    register_host_block,
     register_host_tensor,
     retired_count,
     span_bytes,
@@ -212,3 +217,93 @@ def test_an_allocation_is_freed_only_after_its_last_tensor_dies() -> None:
     assert retired_count() == 1 and cuda.freed == []  # nothing is freed until the drain
     assert drain_retired() == []
     assert cuda.freed == [pointer] and cuda.live == {}
+
+
+# ---- blocks: several tensors back to back in one allocation -------------------------------
+
+BLOCK: list[Layout] = [((64, 4), (4, 1), torch.float32), ((4, 64), (1, 4), torch.float32), ((128,), (1,), torch.bfloat16)]
+BLOCK_BYTES = [1024, 1024, 256]
+
+
+def _check_members(flat: torch.Tensor, members: tuple[torch.Tensor, ...]) -> None:
+    """Members keep their layouts, lie back to back from the block's start, each over a
+    storage of its own, and write through to the flat view."""
+    assert flat.dtype == torch.uint8 and flat.numel() == sum(BLOCK_BYTES)
+    offsets = [0, 1024, 2048]
+    for member, (shape, stride, dtype), offset, nbytes in zip(members, BLOCK, offsets, BLOCK_BYTES, strict=True):
+        assert (tuple(member.shape), member.stride(), member.dtype) == (shape, stride, dtype)
+        assert member.data_ptr() == flat.data_ptr() + offset
+        assert member.untyped_storage().nbytes() == nbytes  # each counted alone
+    assert len({m.untyped_storage().data_ptr() for m in members}) == len(members)
+    flat.zero_()
+    members[1].fill_(1.0)
+    assert torch.equal(flat[1024:1028], torch.tensor([0, 0, 128, 63], dtype=torch.uint8))  # 1.0f, little-endian
+    assert int(flat[:1024].count_nonzero()) == 0 and int(flat[2048:].count_nonzero()) == 0  # only its own bytes
+
+
+def test_a_registered_block_is_one_mapping_registered_in_pieces_and_released_whole() -> None:
+    cudart = FakeCudart()
+    drain_retired()
+    held = register_host_block(BLOCK, register=cudart.register, unregister=cudart.unregister, piece_bytes=1024)
+    _check_members(held.tensor, held.members)
+    assert held.in_place and held.reserved_bytes == mmap.PAGESIZE
+    assert cudart.registered == [(held.tensor.data_ptr() + 1024 * i, n) for i, n in enumerate([1024, 1024, 256])]
+    assert held.pieces == tuple(cudart.registered)
+    # A copy from a slice across members is cut where a registered piece ends.
+    dst = torch.empty(1536, dtype=torch.uint8)
+    chunks = span_chunks(dst, held.tensor[512:2048], held.pieces)
+    assert [s.numel() for _, s in chunks] == [512, 1024]
+    assert held.release() == []
+    assert cudart.unregistered == [p for p, _ in reversed(held.pieces)]
+
+
+def test_a_block_that_dies_unreleased_is_retired_with_its_last_member() -> None:
+    cudart = FakeCudart()
+    drain_retired()
+    held = register_host_block(BLOCK, register=cudart.register, unregister=cudart.unregister)
+    last = held.members[2]
+    del held
+    gc.collect()
+    assert retired_count() == 0  # a member still holds the mapping
+    last.fill_(2.0)  # still valid memory
+    del last
+    gc.collect()
+    assert retired_count() == 1
+    assert drain_retired() == [] and len(cudart.unregistered) == 1
+
+
+def test_an_allocated_block_is_exactly_its_members_bytes() -> None:
+    cuda = FakeHostAlloc()
+    held = alloc_host_block(BLOCK, alloc=cuda.alloc, free=cuda.free)
+    assert cuda.sizes == [sum(BLOCK_BYTES)] and held.pieces == () and not held.in_place
+    _check_members(held.tensor, held.members)
+
+
+def test_a_failed_block_registration_takes_nothing() -> None:
+    cudart = FakeCudart(fail_at=1)
+    with pytest.raises(HostRegisterError):
+        register_host_block(BLOCK, register=cudart.register, unregister=cudart.unregister, piece_bytes=1024)
+    assert cudart.unregistered == [cudart.registered[0][0]]
+
+
+def test_a_pageable_block_holds_its_members_and_needs_no_release() -> None:
+    drain_retired()
+    held = pageable_block(BLOCK)
+    _check_members(held.tensor, held.members)
+    assert held.pieces == () and held.tensor.data_ptr() % mmap.PAGESIZE == 0
+    first = held.members[0]
+    del held
+    gc.collect()
+    first.fill_(3.0)
+    del first
+    gc.collect()
+    assert retired_count() == 0  # nothing to give back: the mapping went with its tensors
+
+
+def test_cpu_runtime_blocks_refuse_pinning_by_name() -> None:
+    likes = [torch.empty(shape, dtype=dtype, device="meta").as_strided(shape, stride) for shape, stride, dtype in BLOCK]
+    flat, members = CpuRuntime().host_block(likes, pin=PinMethod.NONE)
+    _check_members(flat, tuple(members))
+    with pytest.raises(ExecutionError) as info:
+        CpuRuntime().host_block(likes, pin=PinMethod.REGISTER)
+    assert info.value.name == "pin"
