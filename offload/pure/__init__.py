@@ -6,7 +6,7 @@ logs. Inputs and outputs are immutable values; the same inputs always give the s
 
 from offload.pure.admission import HostAdmission, HostFit, HostLimit, LimitCheck, decide_host_admission
 from offload.pure.cgroup import CgroupMemory
-from offload.pure.config import BackendName, HostCheck, OffloadConfig, segment_matches
+from offload.pure.config import BackendName, HostCheck, LayerBlocks, OffloadConfig, segment_matches
 from offload.pure.decisions import (
     PinDecision,
     PinMethod,
@@ -66,6 +66,7 @@ __all__ = [
     "HostFit",
     "HostLimit",
     "HostNuma",
+    "LayerBlocks",
     "LayerEstimate",
     "LayerSpec",
     "LimitCheck",

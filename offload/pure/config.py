@@ -10,7 +10,7 @@ from offload.errors import ConfigError
 from offload.pure._checks import int_at_least, is_bool, one_of
 from offload.pure.numa_topology import NumaRequest, numa_request
 
-__all__ = ["BackendName", "HostCheck", "OffloadConfig", "segment_matches"]
+__all__ = ["BackendName", "HostCheck", "LayerBlocks", "OffloadConfig", "segment_matches"]
 
 BackendName = Literal["auto", "prefetch", "uva", "none"]
 _BACKENDS: tuple[str, ...] = get_args(BackendName)
@@ -20,6 +20,12 @@ _BACKENDS: tuple[str, ...] = get_args(BackendName)
 #: not check at all.
 HostCheck = Literal["refuse", "warn", "off"]
 _HOST_CHECKS: tuple[str, ...] = get_args(HostCheck)
+
+#: Whether the prefetch backend puts a layer's host copies in one block, so that the
+#: layer is one copy (`offload.pure.blocks`): where a copy is made anyway, also for
+#: weights adopted in place (copied once at wrap time), or never.
+LayerBlocks = Literal["auto", "always", "never"]
+_LAYER_BLOCKS: tuple[str, ...] = get_args(LayerBlocks)
 
 
 def _filter(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -83,6 +89,17 @@ class OffloadConfig:
             `offload.pure.admission`): "refuse" (the default) makes ``wrap_modules`` raise
             before it moves anything, "warn" logs a warning and offloads anyway, "off"
             checks nothing (the verdict is still recorded in the plan).
+        layer_blocks: prefetch: whether each layer's host copies lie back to back in one
+            host allocation, and its static buffers in one device allocation, so that the
+            layer is one copy instead of one per parameter (`offload.pure.blocks`; only
+            dense weights of a multiple of 256 bytes take part). "auto" (the default):
+            where the weights are copied into host memory anyway (from the device, into
+            pinned memory, or loaded into it); weights adopted in place (pageable host
+            memory, not pinned) keep their own tensors. "always": adopted weights too,
+            copied once at wrap time (each original released as soon as its parameter
+            points at the block; the allocator may keep the freed memory). "never": one
+            host copy per storage and one copy per parameter. Needs a runtime that makes
+            blocks (`offload.protocols.HostBlocks`: `CudaRuntime`, `CpuRuntime`).
 
     Raises:
         ConfigError: at construction, for a bad value or combination, naming it.
@@ -97,6 +114,7 @@ class OffloadConfig:
     keep_host_params: bool = attrs.field(default=False, validator=is_bool(ConfigError))
     numa_node: NumaRequest = attrs.field(default="auto", validator=numa_request(ConfigError))
     host_check: HostCheck = attrs.field(default="refuse", validator=one_of(_HOST_CHECKS, ConfigError))
+    layer_blocks: LayerBlocks = attrs.field(default="auto", validator=one_of(_LAYER_BLOCKS, ConfigError))
 
     def __attrs_post_init__(self) -> None:
         if self.group_size > 0 and self.num_in_group > self.group_size:
