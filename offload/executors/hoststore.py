@@ -6,18 +6,27 @@ counted the same way, and everything taken is given back on restore.
 A `HostSource` may be injected (`offload.sharing` gives one whose copies lie in a segment
 shared by the processes of one host): `put` and `place` ask it first, and take their copy
 from the runtime only where it answers None; what it gave is given back to it.
+
+Blocks (`reserve`, `offload.pure.blocks`): several copies of one layer in one allocation,
+back to back, where the runtime offers it (`offload.protocols.HostBlocks`) and no source
+is injected. The block is allocated when its first member is placed; each member is a
+copy as any other (its own storage, released on its own); the allocation goes when the
+last member is released. New data for a member (`put`, `place` at post_init) is copied
+into it in place when it has the member's shape, strides and dtype; otherwise the member
+is released and the data gets a copy of its own (the block's memory stays, counted in
+`nbytes`, until its last member goes).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol, final
 
 import torch
 
 from offload.errors import ExecutionError
-from offload.protocols import Runtime
+from offload.protocols import HostBlocks, Runtime
 from offload.pure.decisions import PinMethod
 from offload.pure.moves import Move
 
@@ -52,6 +61,29 @@ class HostSource(Protocol):
 
 
 @final
+class _Block:
+    """A reserved block: its members' refs and shapes (`likes`, on meta), and once
+    allocated, its flat view and member tensors; which members were handed out and which
+    released."""
+
+    __slots__ = ("flat", "handed", "likes", "members", "offsets", "refs", "released")
+
+    def __init__(self, refs: tuple[Ref, ...], likes: tuple[torch.Tensor, ...], offsets: tuple[int, ...]) -> None:
+        self.refs = refs
+        self.likes = likes
+        self.offsets = offsets
+        self.flat: torch.Tensor | None = None
+        self.members: list[torch.Tensor] = []
+        self.handed: set[int] = set()
+        self.released: set[int] = set()
+
+    @property
+    def alive(self) -> bool:
+        """Allocated, and some member is not released yet."""
+        return self.flat is not None and len(self.released) < len(self.refs)
+
+
+@final
 class HostStore:
     """Host copies keyed by the (layer, name) that owns each storage.
 
@@ -71,6 +103,72 @@ class HostStore:
         # Replaced copies that something may still read (a zero-copy view another parameter
         # still points at): kept, and registered, until `release_retired` or `clear`.
         self._retired: list[torch.Tensor] = []
+        self._blocks: list[_Block] = []
+        self._planned: dict[Ref, tuple[_Block, int]] = {}  # reserved, not placed yet
+        self._member: dict[int, tuple[_Block, int]] = {}  # data_ptr of a member handed out -> its block
+
+    @property
+    def blocks_possible(self) -> bool:
+        """Whether `reserve` would make blocks: the runtime offers them, no source is injected."""
+        return self._source is None and isinstance(self._rt, HostBlocks)
+
+    def reserve(self, blocks: Sequence[tuple[tuple[Ref, ...], tuple[torch.Tensor, ...], tuple[int, ...]]]) -> None:
+        """Plan blocks: each is (refs, likes, byte offsets), the members of one block in
+        address order, shaped like `likes` (meta tensors). Their copies, when `place`
+        makes them, are members of the block. Does nothing unless `blocks_possible`."""
+        if not self.blocks_possible:
+            return
+        for refs, likes, offsets in blocks:
+            block = _Block(refs, likes, offsets)
+            self._blocks.append(block)
+            for index, ref in enumerate(refs):
+                self._planned[ref] = (block, index)
+
+    def in_block(self, ref: Ref) -> bool:
+        """Whether `ref`'s copy is a member of a block."""
+        host = self._copies.get(ref)
+        return host is not None and host.numel() > 0 and host.data_ptr() in self._member
+
+    def block_of(self, ref: Ref) -> tuple[torch.Tensor, int] | None:
+        """(flat view of the block, byte offset) of `ref`'s copy, when it is a member of a block."""
+        host = self._copies.get(ref)
+        entry = self._member.get(host.data_ptr()) if host is not None and host.numel() else None
+        if entry is None:
+            return None
+        block, index = entry
+        return None if block.flat is None else (block.flat, block.offsets[index])
+
+    def _refresh(self, ref: Ref, tensor: torch.Tensor) -> torch.Tensor | None:
+        """When `ref`'s copy is a member of a block with `tensor`'s shape, strides and dtype:
+        `tensor` copied into it in place (the block stays whole, and its layer one copy),
+        and the member returned; else None.
+
+        Raises:
+            ExecutionError: the copy failed (the member keeps what it held, partly overwritten).
+        """
+        host = self._copies.get(ref)
+        if (host is None or not self.in_block(ref) or host is tensor or host.dtype != tensor.dtype
+                or host.shape != tensor.shape or host.stride() != tensor.stride()):
+            return None
+        try:
+            host.copy_(tensor)
+        except RuntimeError as exc:
+            raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: copying new data into its host block failed: "
+                                 f"{exc}", name=ref[1], value=ref[0]) from exc
+        return host
+
+    def _from_block(self, ref: Ref) -> torch.Tensor | None:
+        """`ref`'s reserved member (allocating its block first), or None when it has none."""
+        entry = self._planned.pop(ref, None)
+        if entry is None:
+            return None
+        block, index = entry
+        if block.flat is None and isinstance(self._rt, HostBlocks):  # reserve made sure it is
+            block.flat, block.members = self._rt.host_block(block.likes, pin=self._pin)
+        member = block.members[index]
+        block.handed.add(index)
+        self._member[member.data_ptr()] = (block, index)
+        return member
 
     def put(self, ref: Ref, tensor: torch.Tensor, *, defer_release: bool = False) -> torch.Tensor:
         """Copy `tensor` to host memory for `ref` (releasing a copy `ref` held before).
@@ -85,9 +183,22 @@ class HostStore:
         Raises:
             ExecutionError: the runtime (or the source) could not make the copy.
         """
+        refreshed = None if defer_release else self._refresh(ref, tensor)
+        if refreshed is not None:
+            return refreshed
         host = self._source.copy(ref, tensor) if self._source is not None else None
         if host is None:
-            host = self._rt.host_copy(tensor, pin=self._pin)
+            member = self._from_block(ref)
+            if member is not None:
+                try:
+                    member.copy_(tensor)
+                except RuntimeError as exc:
+                    self._release(member)
+                    raise ExecutionError(f"host copy of a {tuple(tensor.shape)} {tensor.dtype} tensor into its block "
+                                         f"failed: {exc}", name="host_copy", value=tuple(tensor.shape)) from exc
+                host = member
+            else:
+                host = self._rt.host_copy(tensor, pin=self._pin)
         return self._keep(ref, host, defer_release=defer_release)
 
     def place(self, ref: Ref, tensor: torch.Tensor, move: Move, *, defer_release: bool = False) -> torch.Tensor:
@@ -95,7 +206,7 @@ class HostStore:
 
         - `Move.ADOPT`: `tensor` (pageable host memory, and the plan does not pin) is the
           host copy itself: nothing is copied or allocated (unless the source gives a
-          copy: a shared one).
+          copy: a shared one, or `ref` is a reserved member of a block: it is copied in).
         - `Move.NEW_ON_HOST`: `tensor` is a meta placeholder: uninitialised exact-size host
           memory with its shape, strides and dtype, pinned as the plan says.
         - `Move.TO_HOST`, `Move.HOST_TO_PINNED`: a copy (`put`).
@@ -112,9 +223,13 @@ class HostStore:
         try:
             if move is Move.ADOPT:
                 shared = self._source.copy(ref, tensor) if self._source is not None else None
+                if shared is None and (ref in self._planned or self.in_block(ref)):  # a block member
+                    return self.put(ref, tensor, defer_release=defer_release)
                 return self._keep(ref, tensor if shared is None else shared, defer_release=defer_release)
             if move is Move.NEW_ON_HOST:
                 host = self._source.empty(ref, tensor) if self._source is not None else None
+                if host is None:
+                    host = self._from_block(ref)
                 if host is None:
                     host = self._rt.host_empty(tensor, pin=self._pin)
                 return self._keep(ref, host, defer_release=defer_release)
@@ -145,6 +260,9 @@ class HostStore:
 
     def _release(self, host: torch.Tensor) -> None:
         """Give `host` back to where it came from: the source, else the runtime."""
+        entry = self._member.pop(host.data_ptr(), None) if host.numel() else None
+        if entry is not None:
+            entry[0].released.add(entry[1])
         if self._source is None or not self._source.release(host):
             self._rt.release_host(host)
 
@@ -175,10 +293,19 @@ class HostStore:
             self._release(self._retired.pop())
 
     def clear(self) -> None:
-        """Release every copy, retired ones included."""
+        """Release every copy, retired ones included, and the members of blocks that were
+        never handed out."""
         for ref in list(self._copies):
             self.drop(ref)
         self.release_retired()
+        while self._blocks:
+            block = self._blocks.pop()
+            for index, member in enumerate(block.members):
+                if index not in block.handed:
+                    block.handed.add(index)
+                    block.released.add(index)
+                    self._rt.release_host(member)
+        self._planned.clear()
 
     @property
     def fallbacks(self) -> int:
@@ -187,7 +314,9 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes held, each storage once (retired copies included)."""
+        """Host bytes held, each storage once (retired copies included); a block counts
+        whole until its last member is released."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (*self._copies.values(), *self._retired) if t.numel()}
-        return sum(storages.values())
+                    for t in (*self._copies.values(), *self._retired)
+                    if t.numel() and t.data_ptr() not in self._member}
+        return sum(storages.values()) + sum(b.flat.numel() for b in self._blocks if b.alive and b.flat is not None)

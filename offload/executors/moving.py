@@ -7,8 +7,9 @@ a pageable host tensor that is offloaded unpinned is adopted as its own host cop
 that is pinned is copied into page-locked memory and released as soon as the parameter
 points at the copy (undo copies it back from there); restore gives each storage back
 and releases its host copy before the next. So host memory peaks at the model's bytes
-plus its largest tensor, and device memory at the resident weights (plus buffers) plus
-the largest tensor, wherever the weights came from.
+plus its largest tensor (its largest layer, where the prefetch backend puts a layer's
+copies in one block: `offload.pure.blocks`), and device memory at the resident weights
+(plus buffers) plus the largest tensor, wherever the weights came from.
 """
 
 from __future__ import annotations
@@ -24,10 +25,18 @@ from torch import nn
 
 from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
-from offload.executors.common import Ref, find_parameter, host_of, host_owner, raise_as_execution_error
+from offload.executors.common import (
+    Ref,
+    find_parameter,
+    host_of,
+    host_owner,
+    raise_as_execution_error,
+    torch_dtype,
+)
 from offload.executors.hoststore import HostStore
 from offload.protocols import Runtime
 from offload.pure.admission import HostFit
+from offload.pure.blocks import host_blocks
 from offload.pure.moves import Move, WhereKind, restore_target, where_kind
 from offload.pure.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
@@ -48,6 +57,7 @@ __all__ = [
     "move_all",
     "move_resident",
     "point_at_host_copies",
+    "reserve_blocks",
     "restore_place",
     "resync_data",
     "state_dict_hook",
@@ -307,10 +317,12 @@ class Undo:
         # Parameter that was there) where a meta Parameter was replaced.
         self._entries: list[tuple[str, Any, Any, Any]] = []
 
-    def note(self, param: nn.Parameter, move: Move, owner: Ref) -> None:
-        """Before `param.data` changes: remember it (or, for `Move.HOST_TO_PINNED`, that
-        it is recovered from `owner`'s host copy, so that the pageable tensor can go)."""
-        self._entries.append(("data", param, None if move is Move.HOST_TO_PINNED else param.data, owner))
+    def note(self, param: nn.Parameter, move: Move, owner: Ref, *, copied: bool = False) -> None:
+        """Before `param.data` changes: remember it (or, for `Move.HOST_TO_PINNED` and
+        where `copied` says the host tensor was copied into `owner`'s host copy, that it is
+        recovered from there, so that the pageable tensor can go)."""
+        recover = move is Move.HOST_TO_PINNED or (copied and move is Move.ADOPT)
+        self._entries.append(("data", param, None if recover else param.data, owner))
 
     def note_replaced(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
         """Before ``module._parameters[name]`` is replaced: remember the Parameter there."""
@@ -335,8 +347,9 @@ class Undo:
 
 
 def assign(layer: nn.Module, name: str, param: nn.Parameter, data: torch.Tensor, *, move: Move, owner: Ref,
-           undo: Undo, replaced: dict[int, nn.Parameter]) -> nn.Parameter:
-    """Point parameter `name` of `layer` (now `param`) at `data`, noting it in `undo`.
+           undo: Undo, replaced: dict[int, nn.Parameter], copied: bool = False) -> nn.Parameter:
+    """Point parameter `name` of `layer` (now `param`) at `data`, noting it in `undo`
+    (`copied`: an adopted host tensor was copied into its host copy, see `Undo.note`).
 
     A meta Parameter cannot take real data (torch refuses ``param.data = ...`` across
     that boundary), so it is replaced in its module by a new Parameter over `data` of the
@@ -348,7 +361,7 @@ def assign(layer: nn.Module, name: str, param: nn.Parameter, data: torch.Tensor,
         The Parameter that now holds `data` under `name`.
     """
     if param.device.type != "meta" or data.device.type == "meta":
-        undo.note(param, move, owner)
+        undo.note(param, move, owner, copied=copied)
         param.data = data
         return param
     new = replaced.get(id(param))
@@ -438,15 +451,36 @@ def view_groups(plan: OffloadPlan, found: Mapping[Ref, Found]) -> tuple[ViewGrou
     return tuple(groups)
 
 
+def reserve_blocks(plan: OffloadPlan, found: Mapping[Ref, Found], store: HostStore) -> int:
+    """Reserve in `store` the host blocks of `plan` (`offload.pure.blocks.host_blocks`, for
+    the moves found), so that each layer's copies land in one allocation; returns how many.
+    Nothing when the store cannot make blocks (`HostStore.blocks_possible`)."""
+    if not store.blocks_possible:
+        return 0
+    moves = {ref: entry.move for ref, entry in found.items()}
+    specs = {(p.layer, p.name): p.param for p in plan.params}
+    reserved = []
+    for block in host_blocks(plan, moves):
+        refs = tuple((block.layer, name) for name in block.names)
+        likes = tuple(torch.empty_strided(specs[ref].shape, specs[ref].stride, dtype=torch_dtype(specs[ref].dtype),
+                                          device="meta") for ref in refs)
+        reserved.append((refs, likes, block.offsets))
+    store.reserve(reserved)
+    return len(reserved)
+
+
 def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, runtime: Runtime,
              origin: dict[Ref, torch.device],
-             data_for: DataFor) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]], tuple[ViewGroup, ...]]:
+             data_for: DataFor, *,
+             blocks: bool = False) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]], tuple[ViewGroup, ...]]:
     """The moves of `wrap_modules`, shared by the executors: every offloaded storage gets
     its host copy (`HostStore.place`) and each offloaded parameter points at `data_for`
     (the host copy, or a view of it); resident weights go to the device (`move_resident`).
 
     Args:
         origin: filled with where `restore` puts each offloaded (layer, name).
+        blocks: put each layer's copies in one host block where the plan and the store
+            allow (`reserve_blocks`; the prefetch backend copies such a layer in one go).
 
     Returns:
         What `find_moves` found, the resident parameters copied from the host, and the
@@ -462,6 +496,8 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
     admit(plan)
     found = find_moves(plan, layers, runtime.device)
     views = view_groups(plan, found)
+    if blocks:
+        reserve_blocks(plan, found, store)
     undo = Undo()
     replaced: dict[int, nn.Parameter] = {}
     progress = Progress("offloading weights", plan.offloaded_bytes + plan.device_bytes_resident)
@@ -471,12 +507,12 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
             entry = found[ref]
             if p.tied_to is None:
                 store.place(ref, entry.param.data, entry.move)
-                progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT)
+                progress.advance(p.nbytes, moved=entry.move is not Move.ADOPT or store.in_block(ref))
             owner = p.tied_to or ref
             data = data_for(p, owner, entry.move)
             origin[ref] = restore_place(entry.move, entry.param.device, runtime)
             assign(layers[p.layer], p.name, entry.param, data, move=entry.move, owner=owner, undo=undo,
-                   replaced=replaced)
+                   replaced=replaced, copied=store.in_block(owner))
         from_host = move_resident(plan, layers, found, runtime, undo, replaced, progress)
     except BaseException:
         undo.run(store, runtime)

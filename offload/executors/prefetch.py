@@ -63,6 +63,7 @@ from offload.executors.moving import (
 )
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, Runtime
+from offload.pure.blocks import Span, merge_spans, slot_arenas
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.revise import revise_plan
@@ -103,7 +104,8 @@ class PrefetchOffloader:
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
         self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
-        self._bound: list[list[tuple[nn.Parameter, torch.Tensor]]] = []  # position -> (parameter, its buffer)
+        # position -> (parameter, its buffer's data pointer and dtype), checked before each run
+        self._bound: list[list[tuple[nn.Parameter, int, torch.dtype]]] = []
         self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
         self._slot_params: dict[int, tuple[nn.Parameter, ...]] = {}  # layer -> its slot parameters (post_init)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
@@ -159,7 +161,7 @@ class PrefetchOffloader:
         claim(layers, self)
         try:
             found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin,
-                                        lambda p, owner, move: self._host_of(owner))
+                                               lambda p, owner, move: self._host_of(owner), blocks=True)
         except BaseException as exc:
             self._host.clear()
             self._origin.clear()
@@ -230,14 +232,63 @@ class PrefetchOffloader:
         self._pending.clear()
         self._landed.clear()
 
+    def _allocate_arenas(self, plan: OffloadPlan) -> dict[int, tuple[torch.Tensor, int]]:
+        """Where the host store makes blocks (`offload.pure.blocks`; not with
+        ``layer_blocks="never"``): each slot's aligned buffers as views of one device
+        allocation (an arena), back to back. Returns, by data pointer of each such buffer,
+        (its arena's flat view, its byte offset)."""
+        placed: dict[int, tuple[torch.Tensor, int]] = {}
+        if not self._host.blocks_possible or plan.config.layer_blocks == "never":
+            return placed
+        by_key = {b.key: b for b in plan.buffers}
+        for arena in slot_arenas(plan.buffers):
+            flat = self._rt.device_empty((arena.nbytes,), (1,), torch.uint8)
+            for key, offset in zip(arena.keys, arena.offsets, strict=True):
+                b = by_key[key]
+                view = torch.as_strided(flat[offset:offset + b.slot_bytes].view(torch_dtype(b.dtype)), b.shape, b.stride)
+                self._buffers.setdefault(key, {})[arena.slot] = view
+                placed[view.data_ptr()] = (flat, offset)
+        return placed
+
+    def _merged(self, copies: list[tuple[torch.Tensor, torch.Tensor, Ref]],
+                arenas: dict[int, tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A position's copies, those that are contiguous in both an arena and a host block
+        merged into one (`merge_spans`)."""
+        spans = []
+        for buffer, host, owner in copies:
+            dst = arenas.get(buffer.data_ptr())
+            src = self._host.block_of(owner)
+            nbytes = host.untyped_storage().nbytes()
+            if dst is None or src is None:
+                spans.append(Span(dst=None, dst_offset=0, src=None, src_offset=0, nbytes=nbytes))
+            else:
+                spans.append(Span(dst=dst[0], dst_offset=dst[1], src=src[0], src_offset=src[1], nbytes=nbytes))
+        merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for group in merge_spans(spans):
+            if len(group) == 1:
+                merged.append(copies[group[0]][:2])
+                continue
+            first, last = spans[group[0]], spans[group[-1]]
+            dst_flat, src_flat = arenas[copies[group[0]][0].data_ptr()][0], first.src
+            size = last.dst_offset + last.nbytes - first.dst_offset
+            if not isinstance(src_flat, torch.Tensor):
+                raise ExecutionError("a host block has no flat view", name="block", value=group)
+            merged.append((dst_flat[first.dst_offset:first.dst_offset + size],
+                           src_flat[first.src_offset:first.src_offset + size]))
+        return merged
+
     def _allocate_and_start(self, plan: OffloadPlan) -> None:
         """Allocate the static buffers, point parameters at their slots, issue the first copies."""
+        arenas = self._allocate_arenas(plan)
         for b in plan.buffers:
             dtype = torch_dtype(b.dtype)
-            self._buffers[b.key] = {slot: self._rt.device_empty(b.shape, b.stride, dtype) for slot in b.slots}
+            slots = self._buffers.setdefault(b.key, {})
+            for slot in b.slots:
+                if slot not in slots:
+                    slots[slot] = self._rt.device_empty(b.shape, b.stride, dtype)
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
         self._position_of = position_of
-        self._copies = [[] for _ in plan.offloaded_layers]
+        copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
         self._bound = [[] for _ in plan.offloaded_layers]
         slot_params: dict[int, list[nn.Parameter]] = {}
         for p in plan.offloaded_params:
@@ -258,10 +309,12 @@ class PrefetchOffloader:
                 continue
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
-            self._bound[position_of[p.layer]].append((param, buffer))
-            self._copies[position_of[p.layer]].append((buffer, self._host_of(p.tied_to or ref)))
+            self._bound[position_of[p.layer]].append((param, buffer.data_ptr(), buffer.dtype))
+            owner = p.tied_to or ref
+            copies[position_of[p.layer]].append((buffer, self._host_of(owner), owner))
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
-        self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host in copies) for copies in self._copies]
+        self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host, _ in layer) for layer in copies]
+        self._copies = [self._merged(layer, arenas) for layer in copies]
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
 
@@ -411,8 +464,8 @@ class PrefetchOffloader:
         capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
-        for param, buffer in self._bound[position]:
-            if param.data_ptr() != buffer.data_ptr() or param.dtype != buffer.dtype:
+        for param, pointer, dtype in self._bound[position]:
+            if param.data_ptr() != pointer or param.dtype != dtype:
                 self._refuse_changed(position, param)
         expected, self._expected = self._expected, (position + 1) % len(self._copies)
         if (position != expected or self._recovering
@@ -582,8 +635,8 @@ class PrefetchOffloader:
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
             host_bytes=self._host.nbytes,
-            device_buffer_bytes=sum(t.untyped_storage().nbytes() for slots in self._buffers.values()
-                                    for t in slots.values()),
+            device_buffer_bytes=sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                     for slots in self._buffers.values() for t in slots.values()}.values()),
             copies_issued=self._copies_issued,
             bytes_copied=self._bytes_copied,
             wait_seconds=self._rt.waited_seconds(),

@@ -1,0 +1,236 @@
+"""One copy per prefetched layer: host blocks, device arenas, merged copies
+(`offload.pure.blocks`), run by the prefetch executor."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
+from offload.executors.live import Location
+from tests.executors.blocks_helpers import BlockRuntime, linear_stack, odd_middle_model
+from tests.executors.fakes import FakeRuntime
+from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot
+from tests.executors.models import layer_list
+
+LAYER_BYTES = 64 * 64 * 4 + 64 * 4  # a TanhLinear layer: weight and bias
+
+
+def activations(seed: int = 1) -> Iterator[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    for batch, tokens in ((2, 5), (1, 3), (3, 7), (2, 5)):
+        yield torch.randn(batch, tokens, 64, generator=generator)
+
+
+def config(step: int = 2, blocks: LayerBlocks = "auto", group_size: int = 1) -> OffloadConfig:
+    return OffloadConfig(group_size=group_size, prefetch_step=step, layer_blocks=blocks)
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("defer", [False, True], ids=["sync", "deferred"])
+def test_each_layer_is_one_copy_and_outputs_are_bit_exact(step: int, defer: bool) -> None:
+    model = linear_stack(6)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    plan = pinned_plan(model, config(step))
+    rt = BlockRuntime(FakeRuntime(defer=defer))
+    off = prefetch(plan, rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert rt.blocks_made == 6 and rt.live_blocks == 6
+    issued = len(rt.copies)
+    forwards = 0
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+            forwards += 1
+    per_forward = rt.copies[issued:]
+    assert len(per_forward) == forwards * 6  # one copy per layer, not one per parameter
+    assert {nbytes for _, _, nbytes in per_forward} == {LAYER_BYTES}
+    stats = off.stats()
+    assert stats.copies_issued == len(rt.copies)
+    assert stats.bytes_copied == sum(n for _, _, n in rt.copies)
+    assert stats.host_bytes == plan.host_bytes == 6 * LAYER_BYTES
+    assert stats.device_buffer_bytes == plan.device_bytes_buffers
+    assert stats.pin_fallbacks == 0
+    check = off.check()
+    assert check.ok, check.differences
+    assert {p.actual for p in check.params} == {Location.SLOT}
+    off.restore()
+    assert_restored(model, before, same_storage=False)
+    assert rt.blocks_released == 6 and rt.live_blocks == 0
+
+
+def test_never_copies_each_parameter_and_makes_no_block() -> None:
+    model = linear_stack(4)
+    reference = copy.deepcopy(model)
+    rt = BlockRuntime()
+    off = prefetch(pinned_plan(model, config(blocks="never")), rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    issued = len(rt.copies)
+    with torch.no_grad():
+        x = next(activations())
+        assert torch.equal(model(x), reference(x))
+    assert rt.blocks_made == 0
+    assert sorted(n for _, _, n in rt.copies[issued:]) == sorted([64 * 64 * 4, 64 * 4] * 4)
+
+
+def test_a_runtime_without_blocks_copies_each_parameter() -> None:
+    model = linear_stack(3)
+    rt = FakeRuntime()
+    off = prefetch(pinned_plan(model, config(blocks="always")), rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert off.stats().host_bytes == 3 * LAYER_BYTES
+    assert len({t.untyped_storage().data_ptr() for t in off._host.tensors()}) == 6  # one allocation each
+
+
+def test_unaligned_parameters_are_copied_alone_beside_the_merged_rest() -> None:
+    model = odd_middle_model(4)
+    reference = copy.deepcopy(model)
+    rt = BlockRuntime()
+    off = prefetch(pinned_plan(model, config()), rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    issued = len(rt.copies)
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+    sizes = Counter(n for _, _, n in rt.copies[issued:])
+    # The two 16 KiB weights of each layer are one copy; the 252-byte vector its own.
+    assert sizes == Counter({2 * 64 * 64 * 4: 16, 63 * 4: 16})
+    assert rt.blocks_made == 4
+    assert off.stats().host_bytes == off.plan.host_bytes
+
+
+def test_on_the_cpu_always_copies_adopted_weights_into_blocks_and_releases_the_originals() -> None:
+    model = linear_stack(5)
+    reference = copy.deepcopy(model)
+    originals = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]  # type: ignore[no-untyped-call]  # unannotated in torch
+    off = prefetch(cpu_plan(model, config(blocks="always")), CpuRuntime())
+    off.wrap_modules(layer_list(model))
+    assert all(ref.expired() for ref in originals)  # type: ignore[no-untyped-call]  # as above
+    off.post_init()
+    copies = off.stats().copies_issued
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+    assert off.stats().copies_issued - copies == 4 * 5
+    assert off.stats().host_bytes == off.plan.host_bytes
+    off.restore()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_on_the_cpu_auto_keeps_adopted_weights_where_they_are() -> None:
+    model = linear_stack(3)
+    pointers = [p.data_ptr() for p in model.parameters()]
+    off = prefetch(cpu_plan(model, config()), CpuRuntime())
+    off.wrap_modules(layer_list(model))
+    assert sorted(t.data_ptr() for t in off._host.tensors()) == sorted(pointers)
+
+
+def test_post_processing_that_keeps_the_layout_is_copied_into_the_block() -> None:
+    model = linear_stack(4)
+    reference = copy.deepcopy(model)
+    rt = BlockRuntime()
+    off = prefetch(pinned_plan(model, config()), rt)
+    layers = layer_list(model)
+    off.wrap_modules(layers)
+    for layer, ref_layer in zip(layers, layer_list(reference), strict=True):
+        assert isinstance(layer, nn.Linear) and isinstance(ref_layer, nn.Linear)
+        layer.weight.data = layer.weight.data * 0.5  # a new tensor, same shape, strides and dtype
+        ref_layer.weight.data = ref_layer.weight.data * 0.5
+    off.post_init()
+    assert rt.blocks_made == 4 and rt.live_blocks == 4
+    issued = len(rt.copies)
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+    assert len(rt.copies) - issued == 4 * 4  # still one copy per layer
+    assert off.stats().host_bytes == off.plan.host_bytes == 4 * LAYER_BYTES
+
+
+def test_post_processing_that_changes_the_layout_gets_its_own_copy_and_the_block_is_counted() -> None:
+    model = linear_stack(3)
+    reference = copy.deepcopy(model)
+    rt = BlockRuntime()
+    off = prefetch(pinned_plan(model, config()), rt)
+    layers = layer_list(model)
+    off.wrap_modules(layers)
+    first, ref_first = layers[0], layer_list(reference)[0]
+    assert isinstance(first, nn.Linear) and isinstance(ref_first, nn.Linear)
+    first.weight.data = first.weight.data.t().contiguous().t()  # same values, transposed strides
+    ref_first.weight.data = ref_first.weight.data.t().contiguous().t()
+    off.post_init()
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+    # The old member's bytes stay in its block until the block goes: counted, not hidden.
+    assert off.stats().host_bytes == 3 * LAYER_BYTES + 64 * 64 * 4
+    off.restore()
+    assert rt.live_blocks == 0
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_block_leaves_the_model_as_it_was_and_keeps_no_block(fail_at: int) -> None:
+    model = linear_stack(4)
+    before = snapshot(model)
+    rt = BlockRuntime(fail_block_at=fail_at)
+    off = prefetch(pinned_plan(model, config()), rt)
+    with pytest.raises(ExecutionError, match="model left as it was"):
+        off.wrap_modules(layer_list(model))
+    # Same Parameters, values and layouts; the pageable originals went once copied into the
+    # (played) pinned blocks, as for any pinned copy, so the data is recovered into new memory.
+    assert_restored(model, before, same_storage=False)
+    assert rt.live_blocks == 0 and rt.blocks_released == fail_at
+
+
+def test_a_block_whose_pinning_failed_stays_pageable_and_is_counted() -> None:
+    model = linear_stack(3)
+    reference = copy.deepcopy(model)
+    rt = BlockRuntime(fallback_at=1)
+    off = prefetch(pinned_plan(model, config()), rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert off.stats().pin_fallbacks == 2  # the two copies of layer 1
+    with torch.no_grad():
+        x = next(activations())
+        assert torch.equal(model(x), reference(x))
+
+
+def test_state_dict_entries_are_separate_tensors_that_save_with_safetensors(tmp_path: object) -> None:
+    model = linear_stack(3)
+    reference = copy.deepcopy(model)
+    off = prefetch(pinned_plan(model, config()), BlockRuntime())
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    state = model.state_dict()
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(state)
+    path = f"{tmp_path}/weights.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in state.items()}, path)
+    loaded = safetensors.torch.load_file(path)
+    for name, want in reference.state_dict().items():
+        assert torch.equal(loaded[name], want), name
+
+
+def test_compiled_fullgraph_parity_with_one_copy_per_layer() -> None:
+    model = linear_stack(5)
+    reference = copy.deepcopy(model)
+    off = prefetch(cpu_plan(model, config(blocks="always")), CpuRuntime())
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    start = off.stats().copies_issued
+    with torch.no_grad():
+        for forwards, x in enumerate([next(activations())] * 3, start=1):
+            assert torch.equal(compiled(x), reference(x))
+            assert off.stats().copies_issued - start == forwards * 5
