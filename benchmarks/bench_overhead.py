@@ -15,7 +15,12 @@ Contenders, each set up once per stack on its own copy of the model (``wrap_modu
   are checked against the total overhead; the overhead beyond this floor is what our
   Python adds, and is printed beside it;
 - ``prefetch-d1`` / ``prefetch-d2``: the prefetch backend, every layer offloaded
-  (group_size 1, num_in_group 1), prefetch_step 1 and 2;
+  (group_size 1, num_in_group 1), prefetch_step 1 and 2, each layer one copy
+  (``layer_blocks="always"``: on the CPU every weight is adopted in place, and "auto"
+  would leave it so; on CUDA the weights come from the device, and "auto" already makes
+  one copy per layer). The copies per step are checked and printed;
+- ``prefetch-each``: prefetch_step 1 with ``layer_blocks="never"``: one copy per
+  parameter, as before layers were copied in one go;
 - ``on-demand``: the UVA backend with every parameter placed ``on_demand`` (what it
   plans without CUDA; on CUDA the run turns UVA off for this contender so that it does);
   the placements are checked and printed;
@@ -61,6 +66,7 @@ from torch import nn
 
 from offload import (
     EnvSnapshot,
+    LayerBlocks,
     OffloadConfig,
     OffloadPlan,
     Placement,
@@ -77,7 +83,7 @@ INNER = 128
 TOKENS = 4
 TARGET_US = {2: 12.0, 9: 30.0}  # prefetch overhead target per layer, by parameters per layer
 PEERS = ("diffusers-leaf", "diffusers-block", "accelerate-cpu")
-OURS = ("prefetch-d1", "prefetch-d2", "on-demand")
+OURS = ("prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand")
 GRAD_MODES: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
     "inference_mode": torch.inference_mode,
     "no_grad": torch.no_grad,
@@ -212,9 +218,11 @@ def setup_contenders(resident: Stack, env: EnvSnapshot, device: torch.device) ->
     """Every contender for `resident`, set up once, and lines describing their plans."""
     contenders = [Contender("resident", "resident", resident), _copies_only(resident, device)]
     notes: list[str] = []
-    for depth in (1, 2):
-        contender, plan = _ours(f"prefetch-d{depth}", resident,
-                                OffloadConfig(group_size=1, num_in_group=1, prefetch_step=depth), env)
+    runs: tuple[tuple[str, int, LayerBlocks], ...] = (("prefetch-d1", 1, "always"), ("prefetch-d2", 2, "always"),
+                                                      ("prefetch-each", 1, "never"))
+    for name, depth, blocks in runs:
+        contender, plan = _ours(name, resident, OffloadConfig(group_size=1, num_in_group=1, prefetch_step=depth,
+                                                              layer_blocks=blocks), env)
         counts = _placements(plan)
         if counts.get(Placement.PREFETCH, 0) != len(plan.params):
             raise RuntimeError(f"{contender.name}: the plan does not prefetch every parameter: {counts}")
@@ -384,6 +392,22 @@ HEADER = (f"{'stack':<10} {'grad mode':<14} {'contender':<16} {'median us':>10} 
           f"{'ovh/layer min':>13} {'d1/peer':>8} {'d2/peer':>8}")
 
 
+def copies_per_step(contenders: Sequence[Contender], x: torch.Tensor) -> list[str]:
+    """For each prefetch contender: the copies one more forward of `x` issues (from its
+    stats, before and after), beside its offloaded layers."""
+    lines = []
+    for c in contenders:
+        if c.offloader is None or c.model is None or not c.name.startswith("prefetch"):
+            continue
+        before = c.offloader.stats().copies_issued
+        with torch.inference_mode():
+            c.model(x)
+        copies = c.offloader.stats().copies_issued - before
+        lines.append(f"{c.name}: {copies} copies per forward for {len(c.offloader.plan.offloaded_layers)} "
+                     f"offloaded layers (layer_blocks={c.offloader.plan.config.layer_blocks!r})")
+    return lines
+
+
 def report(spec: StackSpec, mode: str, contenders: Sequence[Contender]) -> tuple[list[str], dict[str, float]]:
     """Table rows for one cell, and the median-based overhead per layer of each live contender."""
     base = contenders[0]
@@ -466,9 +490,11 @@ def main(argv: list[str] | None = None) -> int:
                                + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] / target:.2f}" for d in (1, 2))
                                + f"; the copies alone cost {floor:.2f} us per layer, beyond them "
                                + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] - floor:.2f} us" for d in (1, 2)))
+            for line in copies_per_step(contenders, x):
+                print(f"{spec.name}: {line}")
             restore_and_check(contenders, resident)
-            print(f"{spec.name}: outputs of prefetch-d1, prefetch-d2 and on-demand equal the resident output bit "
-                  "for bit; restore gave back the resident weights")
+            print(f"{spec.name}: outputs of prefetch-d1, prefetch-d2, prefetch-each and on-demand equal the resident "
+                  "output bit for bit; restore gave back the resident weights")
         print()
         print(HEADER)
         for row in rows:

@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks import bench_overhead
 
-CONTENDERS = ("resident", "copies-only", "prefetch-d1", "prefetch-d2", "on-demand", "diffusers-leaf", "diffusers-block",
-              "accelerate-cpu")
+CONTENDERS = ("resident", "copies-only", "prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand", "diffusers-leaf",
+              "diffusers-block", "accelerate-cpu")
 STACKS = ("linear32", "llama32")  # what --quick runs
 MODES = ("inference_mode", "no_grad")
 
@@ -50,5 +50,10 @@ def test_quick_run_prints_a_row_per_stack_mode_and_contender(capsys: pytest.Capt
         for mode in MODES:
             assert any(line.startswith(f"{stack} {mode}: prefetch overhead") and "ratio to target" in line
                        and "the copies alone cost" in line for line in lines), (stack, mode)
-        assert f"{stack}: outputs of prefetch-d1, prefetch-d2 and on-demand equal the resident output" in out
+        assert f"{stack}: outputs of prefetch-d1, prefetch-d2, prefetch-each and on-demand equal the resident" in out
+        # Every bench layer's weights are dense multiples of 256 bytes: with layer_blocks
+        # "always" each layer is one copy; with "never" one per parameter.
+        layers, per_layer = {"linear32": (32, 2), "llama32": (32, 9)}[stack]
+        for name, copies in (("prefetch-d1", layers), ("prefetch-d2", layers), ("prefetch-each", layers * per_layer)):
+            assert f"{stack}: {name}: {copies} copies per forward for {layers} offloaded layers" in out
         assert f"{stack}: on-demand: plan backend uva" in out
