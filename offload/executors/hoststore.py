@@ -124,6 +124,11 @@ class HostStore:
             for index, ref in enumerate(refs):
                 self._planned[ref] = (block, index)
 
+    @property
+    def has_blocks(self) -> bool:
+        """Whether `reserve` planned any block."""
+        return bool(self._blocks)
+
     def in_block(self, ref: Ref) -> bool:
         """Whether `ref`'s copy is a member of a block."""
         host = self._copies.get(ref)
@@ -141,14 +146,16 @@ class HostStore:
     def _refresh(self, ref: Ref, tensor: torch.Tensor) -> torch.Tensor | None:
         """When `ref`'s copy is a member of a block with `tensor`'s shape, strides and dtype:
         `tensor` copied into it in place (the block stays whole, and its layer one copy),
-        and the member returned; else None.
+        and the member returned; else None. Never when `tensor` lies in a block itself (a
+        weight moved to another parameter by post-processing, such as a swap: a copy in
+        place could overwrite what another parameter is still to be given).
 
         Raises:
             ExecutionError: the copy failed (the member keeps what it held, partly overwritten).
         """
         host = self._copies.get(ref)
         if (host is None or not self.in_block(ref) or host is tensor or host.dtype != tensor.dtype
-                or host.shape != tensor.shape or host.stride() != tensor.stride()):
+                or host.shape != tensor.shape or host.stride() != tensor.stride() or self._in_a_block(tensor)):
             return None
         try:
             host.copy_(tensor)
@@ -156,6 +163,14 @@ class HostStore:
             raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: copying new data into its host block failed: "
                                  f"{exc}", name=ref[1], value=ref[0]) from exc
         return host
+
+    def _in_a_block(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory lies in one of the blocks."""
+        if tensor.device.type != "cpu" or not tensor.numel():
+            return False
+        ptr = tensor.data_ptr()
+        return any(b.flat is not None and b.flat.data_ptr() <= ptr < b.flat.data_ptr() + b.flat.numel()
+                   for b in self._blocks)
 
     def _from_block(self, ref: Ref) -> torch.Tensor | None:
         """`ref`'s reserved member (allocating its block first), or None when it has none."""
@@ -262,7 +277,10 @@ class HostStore:
         """Give `host` back to where it came from: the source, else the runtime."""
         entry = self._member.pop(host.data_ptr(), None) if host.numel() else None
         if entry is not None:
-            entry[0].released.add(entry[1])
+            block = entry[0]
+            block.released.add(entry[1])
+            if len(block.released) == len(block.refs):  # its last member: nothing here holds its memory
+                block.flat, block.members = None, []
         if self._source is None or not self._source.release(host):
             self._rt.release_host(host)
 

@@ -68,6 +68,7 @@ from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
+from offload.runtime.arena import carve
 from offload.stats import OffloadStats
 
 __all__ = ["PrefetchOffloader"]
@@ -233,21 +234,22 @@ class PrefetchOffloader:
         self._landed.clear()
 
     def _allocate_arenas(self, plan: OffloadPlan) -> dict[int, tuple[torch.Tensor, int]]:
-        """Where the host store makes blocks (`offload.pure.blocks`; not with
-        ``layer_blocks="never"``): each slot's aligned buffers as views of one device
-        allocation (an arena), back to back. Returns, by data pointer of each such buffer,
-        (its arena's flat view, its byte offset)."""
+        """Where the host store made blocks (`offload.pure.blocks`): each slot's aligned
+        buffers back to back in one device allocation (an arena), each over a storage of
+        its own (`offload.runtime.arena.carve`: views of one tensor would alias under
+        torch.compile). Returns, by data pointer of each such buffer, (its arena's flat
+        view, its byte offset)."""
         placed: dict[int, tuple[torch.Tensor, int]] = {}
-        if not self._host.blocks_possible or plan.config.layer_blocks == "never":
+        if not self._host.has_blocks:
             return placed
         by_key = {b.key: b for b in plan.buffers}
         for arena in slot_arenas(plan.buffers):
             flat = self._rt.device_empty((arena.nbytes,), (1,), torch.uint8)
             for key, offset in zip(arena.keys, arena.offsets, strict=True):
                 b = by_key[key]
-                view = torch.as_strided(flat[offset:offset + b.slot_bytes].view(torch_dtype(b.dtype)), b.shape, b.stride)
-                self._buffers.setdefault(key, {})[arena.slot] = view
-                placed[view.data_ptr()] = (flat, offset)
+                buffer = carve(flat, offset, b.shape, b.stride, torch_dtype(b.dtype))
+                self._buffers.setdefault(key, {})[arena.slot] = buffer
+                placed[buffer.data_ptr()] = (flat, offset)
         return placed
 
     def _merged(self, copies: list[tuple[torch.Tensor, torch.Tensor, Ref]],

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import safetensors.torch
@@ -14,11 +15,12 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
+from offload.executors import ops
 from offload.executors.live import Location
-from tests.executors.blocks_helpers import BlockRuntime, linear_stack, odd_middle_model
+from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot
-from tests.executors.models import layer_list
+from tests.executors.models import Int8Linear, layer_list
 
 LAYER_BYTES = 64 * 64 * 4 + 64 * 4  # a TanhLinear layer: weight and bias
 
@@ -234,3 +236,84 @@ def test_compiled_fullgraph_parity_with_one_copy_per_layer() -> None:
         for forwards, x in enumerate([next(activations())] * 3, start=1):
             assert torch.equal(compiled(x), reference(x))
             assert off.stats().copies_issued - start == forwards * 5
+
+
+# ---- from the CUDA review: compile with arenas, swaps, fully replaced blocks ------------
+
+
+def int8_model(layers: int, *, seed: int = 0) -> nn.Sequential:
+    """Int8 weights with float32 scales: one arena holds two dtypes."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Int8Linear(64) for _ in range(layers)]).requires_grad_(False)
+
+
+# Importing inductor reaches torch.jit.script(_method), deprecated since torch 2.10.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script:FutureWarning")
+@pytest.mark.parametrize("build", [lambda: linear_stack(6), lambda: int8_model(5)], ids=["shared-slots", "mixed-dtypes"])
+def test_inductor_fullgraph_with_arenas_hands_the_ops_the_real_slots(build: Callable[[], nn.Module]) -> None:
+    """Layers sharing slots (6 layers, 2 slots) and arenas of two dtypes compile with
+    inductor, match eager, and the ops get the slot tensors themselves (not copies)."""
+    model = build()
+    reference = copy.deepcopy(model)
+    off = prefetch(cpu_plan(model, config(2, "always")), CpuRuntime())
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    compiled = torch.compile(model, fullgraph=True)
+    x = next(activations())
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert off._handle not in ops._copied_once
+
+
+def test_arena_members_are_separate_storages_that_keep_the_arena_alive() -> None:
+    model = linear_stack(2)
+    off = prefetch(cpu_plan(model, config(2, "always")), CpuRuntime())
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    first = layer_list(model)[0]
+    assert isinstance(first, nn.Linear)
+    weight, bias = first.weight.data, first.bias.data
+    assert weight.untyped_storage().data_ptr() != bias.untyped_storage().data_ptr()
+    assert bias.data_ptr() == weight.data_ptr() + weight.numel() * 4  # back to back in one allocation
+    off.restore()
+    del off
+    gc.collect()
+    bias.fill_(1.0)  # the slot's memory lives as long as a tensor over it
+    assert torch.equal(bias, torch.ones(64))
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within-a-block", "across-blocks"])
+def test_parameters_swapped_by_post_processing_keep_their_own_values(across: bool) -> None:
+    """Post-processing that swaps two same-layout weights of host blocks: each must get the
+    other's values, not the value copied in place a moment before."""
+    model = odd_middle_model(2)
+    reference = copy.deepcopy(model)
+    off = prefetch(pinned_plan(model, config()), BlockRuntime())
+    off.wrap_modules(layer_list(model))
+    for m in (model, reference):
+        a, b = m[0], m[1 if across else 0]
+        assert isinstance(a, OddMiddle) and isinstance(b, OddMiddle)
+        a.first.data, b.second.data = b.second.data, a.first.data
+    off.post_init()
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+
+
+def test_a_block_whose_members_were_all_replaced_is_let_go() -> None:
+    model = linear_stack(2)
+    off = prefetch(pinned_plan(model, config()), BlockRuntime())
+    layers = layer_list(model)
+    off.wrap_modules(layers)
+    first = layers[0]
+    assert isinstance(first, nn.Linear)
+    member = StorageWeakRef(first.weight.untyped_storage())  # type: ignore[no-untyped-call]  # unannotated in torch
+    # Both members of layer 0 get data of another layout: each gets a copy of its own.
+    first.weight.data = first.weight.data.t().contiguous().t()
+    first.bias.data = first.bias.data.double()
+    off.post_init()
+    gc.collect()
+    assert member.expired()  # type: ignore[no-untyped-call]  # as above
+    assert off.stats().host_bytes == LAYER_BYTES + 64 * 64 * 4 + 64 * 8

@@ -15,7 +15,10 @@ from offload.runtime.cuda import CudaRuntime
 from tests.executors.models import layer_list
 from tests.gpu.test_prefetch_gpu import gpu_inputs, gpu_model, plan_for
 
-pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`torch.jit.script"),
+    pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning"),
+]
 
 
 def offload_with(model: torch.nn.Module, runtime: CudaRuntime, blocks: LayerBlocks = "auto",
@@ -54,7 +57,7 @@ def test_each_layer_is_one_copy_from_pinned_blocks_and_bit_exact(blocks: LayerBl
 def test_blocks_registered_in_pieces_copy_piece_by_piece_and_replay_in_a_graph() -> None:
     model = gpu_model(4)
     reference = copy.deepcopy(model)
-    runtime = CudaRuntime(piece_bytes=1 << 20)  # a 24 MiB layer in 24 registered pieces
+    runtime = CudaRuntime(piece_bytes=1 << 20)  # a layer of 24 MiB and 24 KiB in 25 registered pieces
     off = offload_with(model, runtime)
     for x in gpu_inputs(seed=2, count=2):
         assert torch.equal(model(x), reference(x))
@@ -71,3 +74,18 @@ def test_blocks_registered_in_pieces_copy_piece_by_piece_and_replay_in_a_graph()
         assert torch.equal(out, ref_out)
     off.restore()
     assert not runtime._block_starts
+
+
+def test_inductor_with_arenas_matches_eager_and_hands_the_ops_the_real_slots() -> None:
+    """Slots shared by several layers (6 layers, 2 slots), arena members over storages of
+    their own: inductor compiles them as separate inputs, and the ops get the slots."""
+    from offload.executors import ops
+
+    model = gpu_model()
+    reference = copy.deepcopy(model)
+    off = offload_with(model, CudaRuntime())
+    compiled = torch.compile(model, fullgraph=True)
+    for x in gpu_inputs(seed=4, count=3):
+        torch.testing.assert_close(compiled(x), reference(x), atol=2e-2, rtol=2e-2)
+    assert off._handle not in ops._copied_once
+    off.restore()
