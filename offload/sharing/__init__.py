@@ -6,13 +6,15 @@ torch.distributed group that hold identical weights share one copy per host: the
 rank on each host writes every offloaded weight once into exact-size POSIX shared memory,
 the others map it read-only, and every executor's host copies (prefetch sources, UVA
 views, on-demand sources) point into it. `plan` holds the pure decisions (`SharingPlan`,
-the segment layout, fingerprints), `render` shows them, `segment` makes and maps the
-memory, `pinning` page-locks it, `source` is the executors' `HostSource`, `coordinate`
-talks to torch.distributed, and `offloader` runs the steps.
+the segment layout, fingerprints), `admission` the host memory of the whole job (what
+every process takes, summed per host: `JobMemory`), `render` shows them, `segment`
+makes and maps the memory, `pinning` page-locks it, `source` is the executors'
+`HostSource`, `coordinate` talks to torch.distributed, and `offloader` runs the steps.
 """
 
 from __future__ import annotations
 
+from offload.sharing.admission import HostMemory, JobMemory, ProcessMemory
 from offload.sharing.coordinate import DEFAULT_TIMEOUT_S, ShareWith
 from offload.sharing.offloader import SharedOffloader, SharingTimes, share_offloader
 from offload.sharing.plan import HostShare, SegmentLayout, SharingPlan, Slot
@@ -22,7 +24,10 @@ from offload.sharing.segment import SEGMENT_PREFIX, leftover_segments
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SEGMENT_PREFIX",
+    "HostMemory",
     "HostShare",
+    "JobMemory",
+    "ProcessMemory",
     "SegmentLayout",
     "ShareWith",
     "SharedOffloader",

@@ -72,12 +72,19 @@ class ShareWith:
             copy and refuse one that differs; turn off only when followers do not load
             the weights themselves (the leader's suffice).
         shm_dir: where segments are made (POSIX shared memory).
+        job: the group of every process of the job whose host memory adds up on its
+            host (tensor-parallel ranks, which share with different groups, included);
+            None for the default group. Each of its processes calls ``create_offloader``
+            with ``share_with`` (its own sharing group; a process that keeps a private copy
+            passes a group of its own), and the host admission check sums what all of them
+            on one host take (`offload.sharing.admission`).
     """
 
     group: dist.ProcessGroup | None = None
     timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S)
     verify: bool = True
     shm_dir: str = SHM_DIR
+    job: dist.ProcessGroup | None = None
 
     @timeout_s.validator
     def _positive(self, attribute: object, value: object) -> None:
@@ -96,29 +103,19 @@ class Membership:
         store: the key-value store every member reaches (torch.distributed's default).
         host: (hostname, boot id, shared-memory file system id) to report; None: this
             process's own (`host_identity`). Tests give members other hosts.
+        job_gather: one object from every process of the job (a collective over
+            `ShareWith.job`), for the host admission check; None: the sharing group is
+            the whole job (`gather`).
     """
 
     rank: int
     gather: Gather
     store: Store
     host: tuple[str, str, str] | None = None
+    job_gather: Gather | None = None
 
 
-def membership_of(group: dist.ProcessGroup | None) -> Membership:
-    """The real membership: ``all_gather_object`` over `group` and the default store.
-
-    Raises:
-        ExecutionError: torch.distributed is not available or not initialised, or this
-            process is not in `group`.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise ExecutionError("share_with needs torch.distributed initialised (init_process_group) in every member",
-                             name="share_with", value=None)
-    if group is not None and dist.get_rank(group) < 0:
-        raise ExecutionError(f"rank {dist.get_rank()} is not in the share_with group", name="share_with",
-                             value=dist.get_rank())
-    from torch.distributed.distributed_c10d import _get_default_store
-
+def _gather_over(group: dist.ProcessGroup | None) -> Gather:
     size = dist.get_world_size(group)
 
     def gather(obj: object) -> list[Any]:
@@ -126,7 +123,28 @@ def membership_of(group: dist.ProcessGroup | None) -> Membership:
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    return Membership(rank=dist.get_rank(), gather=gather, store=_get_default_store())
+    return gather
+
+
+def membership_of(group: dist.ProcessGroup | None, job: dist.ProcessGroup | None = None) -> Membership:
+    """The real membership: ``all_gather_object`` over `group` (and over `job` for the
+    host admission check; None: the default group) and the default store.
+
+    Raises:
+        ExecutionError: torch.distributed is not available or not initialised, or this
+            process is not in `group` or in `job`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ExecutionError("share_with needs torch.distributed initialised (init_process_group) in every member",
+                             name="share_with", value=None)
+    for what, members in (("share_with group", group), ("job group (ShareWith.job)", job)):
+        if members is not None and dist.get_rank(members) < 0:
+            raise ExecutionError(f"rank {dist.get_rank()} is not in the {what}", name="share_with",
+                                 value=dist.get_rank())
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return Membership(rank=dist.get_rank(), gather=_gather_over(group), store=_get_default_store(),
+                      job_gather=_gather_over(job))
 
 
 def host_identity(shm_dir: str = SHM_DIR) -> tuple[str, str, str]:

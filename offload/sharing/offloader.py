@@ -4,7 +4,12 @@ the members of a torch.distributed group that hold identical weights.
 ``create_offloader(plan, share_with=group)`` builds it (`share_offloader`): every member
 tells the others who it is and what it offloads (one ``all_gather_object``), mismatched
 weights are refused on every member by name before anything is mapped, and the members
-on each host share one copy (`SharingPlan`). Then, per host, through the store:
+on each host share one copy (`SharingPlan`). Then every process of the job
+(`ShareWith.job`) tells the others what it will take of its host's memory (a second
+``all_gather_object``; a failure so far travels with it, so the whole job raises), and
+each judges the sums per host alike (`offload.sharing.admission`): its executor's plan
+carries its part, and a host that does not fit is refused by ``wrap_modules`` on every
+process, before anything moves. Then, per host, through the store:
 
 ``wrap_modules``
     leader: create the segment (sparse), publish its name, wait until every follower
@@ -46,9 +51,20 @@ from offload.executors.common import Ref, find_parameter
 from offload.executors.live import LiveCheck
 from offload.protocols import Offloader, Runtime
 from offload.pure.decisions import PinMethod
+from offload.pure.env import Platform
 from offload.pure.plan import OffloadPlan
 from offload.pure.units import format_bytes
 from offload.runtime.copies import span_chunks
+from offload.sharing.admission import (
+    HostMemory,
+    JobMemory,
+    ProcessMemory,
+    assess_job,
+    job_plan,
+    private_host_bytes,
+    process_host_bytes,
+    refusal_text,
+)
 from offload.sharing.coordinate import Channel, Membership, ShareWith, host_identity, membership_of
 from offload.sharing.pinning import PinCalls
 from offload.sharing.plan import (
@@ -129,12 +145,16 @@ class SharedOffloader:
         source: this member's view of the segment; None when not shared.
         channel: this host's keys in the store; None when not shared.
         shm_dir: where the segment is made.
+        numa_node: the NUMA node the leader places the segment's pages on; None: none.
+        refused: the job's host whose memory does not fit and is refused
+            (`JobMemory.refused`): `wrap_modules` raises, on every process of the job.
     """
 
     def __init__(self, inner: Offloader, sharing: SharingPlan, layout: SegmentLayout,
                  source: SharedHostSource | None, channel: Channel | None, *, shm_dir: str,
-                 numa_node: int | None = None) -> None:
+                 numa_node: int | None = None, refused: HostMemory | None = None) -> None:
         self._inner = inner
+        self._refused = refused
         self._sharing = sharing
         self._layout = layout
         self._source = source
@@ -189,11 +209,17 @@ class SharedOffloader:
         followers map it read-only (see the module docstring).
 
         Raises:
-            ExecutionError: another member failed or did not answer in time, the segment
+            ExecutionError: the host memory of the job's processes on some host does not
+                fit and a process there refuses that (``host_check="refuse"``): raised on
+                every process of the job, before anything moved, with the limit, the
+                numbers and the ranks (``name`` the limit, ``value`` (bytes needed, bytes
+                allowed)); another member failed or did not answer in time, the segment
                 could not be made or mapped, or this member's weights differ from the
                 leader's; nothing was moved on this member. Otherwise as the executor.
             PlanError: from the executor.
         """
+        if self._refused is not None and not self._done:
+            raise _job_refusal(self._refused)
         if self._source is None or self._channel is None or self._done:
             out = self._inner.wrap_modules(layers)  # nothing to share, or the executor refuses a second wrap
         else:
@@ -426,31 +452,56 @@ class SharedOffloader:
         return f"SharedOffloader({self._sharing.role}, rank {self._sharing.rank}, {type(self._inner).__name__})"
 
 
+def _job_refusal(host: HostMemory) -> ExecutionError:
+    """What every process of the job raises when `host` does not fit (named like `admit`'s)."""
+    binding = host.binding
+    name = binding.check.limit.value if binding is not None else "host_check"
+    value = (binding.check.needed_bytes, binding.check.allowed_bytes) if binding is not None else None
+    return ExecutionError(refusal_text(host), name=name, value=value)
+
+
 def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.ProcessGroup | ShareWith, *,
-                    membership: Membership | None = None, pin_calls: PinCalls | None = None) -> SharedOffloader:
+                    membership: Membership | None = None, pin_calls: PinCalls | None = None,
+                    host_memory: Platform | None = None) -> SharedOffloader:
     """The offloader for `plan` whose host copies are shared with `share_with`'s members
-    on this host. Every member must call it (it gathers from all of them once).
+    on this host. Every member must call it, and every process of the job
+    (`ShareWith.job`): it gathers from the sharing group once, then from the job once.
+
+    The second gather is the host admission check of the job (`offload.sharing.admission`):
+    what every process will take of its host's memory (the segment on leaders, nothing
+    on followers whose weights have data, a private copy on processes that do not
+    share), summed per host against the host's limits. The offloader's plan carries
+    this process's verdict from it (`OffloadPlan.host_admission`, so a follower is never
+    refused for a private copy it does not take), `SharedOffloader.sharing` the job's
+    figures, and where a host does not fit and ``host_check`` is "refuse" there,
+    ``wrap_modules`` refuses on every process of the job before anything moves.
 
     Args:
         plan: this member's plan (its offloaded weights must equal every member's).
         runtime: the effects (the executor's and the pinning device's).
-        share_with: the group, or `ShareWith` with the group and timeouts.
-        membership: how this process reaches the others; from the group when None
+        share_with: the group, or `ShareWith` with the group, the job and timeouts.
+        membership: how this process reaches the others; from the groups when None
             (tests pass fakes).
         pin_calls: the CUDA registration calls; the real ones for the runtime's device
             when None (tests pass fakes).
+        host_memory: this process's host memory readings (``host_available_bytes``,
+            ``cgroup_memory``; nothing else is read); read from /proc and the cgroup file
+            system now when None (tests pass their own).
 
     Raises:
         ExecutionError: torch.distributed is not initialised; some member's offloaded
             weights differ from the lowest rank's (naming each such rank and the first
-            difference; raised on every member); the plan pins with cudaHostAlloc.
+            difference; raised on every member); the plan pins with cudaHostAlloc; any
+            of these, or a `PlanError`, on another process of the job (raised on every
+            process of the job, naming it).
         PlanError: from the executor.
     """
     from offload.create import build_executor
 
     options = share_with if isinstance(share_with, ShareWith) else ShareWith(group=share_with)
-    member = membership if membership is not None else membership_of(options.group)
-    host, boot_id, shm_id = member.host if member.host is not None else host_identity(options.shm_dir)
+    member = membership if membership is not None else membership_of(options.group, options.job)
+    where = member.host if member.host is not None else host_identity(options.shm_dir)
+    host, boot_id, shm_id = where
     pin = plan.pin.method
     align = mmap.PAGESIZE if pin is not PinMethod.NONE else CACHE_LINE
     layout = lay_out(plan, align)
@@ -459,23 +510,77 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
     info = MemberInfo(rank=member.rank, host=host, boot_id=boot_id, shm_id=shm_id, pid=os.getpid(),
                       session=os.urandom(8).hex(), digest=digest, storages=len(layout.slots),
                       host_bytes=plan.host_bytes, segment_bytes=layout.total_bytes)
-    infos = _members(member.gather(info))
-    bad = mismatched(infos)
-    if bad:
-        _refuse(member, infos, bad, (align, pin.value, weights))
-    sharing = plan_sharing(infos, member.rank, timeout_s=options.timeout_s)
+    gathered = member.gather(info)
+    # What fails from here is held until the job's exchange: the other processes of the
+    # job (other sharing groups too) wait in it, and learn of the failure there.
+    failure: Exception | None = None
+    sharing: SharingPlan | None = None
     source: SharedHostSource | None = None
+    try:
+        infos = _members(gathered)
+        bad = mismatched(infos)
+        if bad:
+            raise _mismatch(member, infos, bad, (align, pin.value, weights))
+        sharing = plan_sharing(infos, member.rank, timeout_s=options.timeout_s)
+        if sharing.shared:
+            source = SharedHostSource(layout, leader=sharing.role == "leader", rank=member.rank,
+                                      leader_rank=sharing.leader, pin=pin, device=runtime.device,
+                                      verify=options.verify, pin_calls=pin_calls)
+        build_executor(plan, runtime, host_source=source)  # a plan its backend refuses fails here, before the exchange
+    except Exception as exc:  # every kind is told to the others, then raised as it was
+        failure = exc
+    job = _job_memory(member, plan, sharing, where, host_memory, failure)
+    if failure is not None:
+        raise failure
+    if job.failures:
+        rank, error = job.failures[0]
+        raise ExecutionError(f"rank {rank} failed creating its offloader ({error}); nothing was mapped on rank "
+                             f"{member.rank}: every process of the job stops", name="share_with",
+                             value=tuple(r for r, _ in job.failures))
+    if sharing is None:  # set whenever nothing failed
+        raise ExecutionError(f"rank {member.rank} has no sharing plan", name="share_with", value=member.rank)
+    sharing = attrs.evolve(sharing, job=job)
     channel: Channel | None = None
     if sharing.shared:
-        source = SharedHostSource(layout, leader=sharing.role == "leader", rank=member.rank,
-                                  leader_rank=sharing.leader, pin=pin, device=runtime.device, verify=options.verify,
-                                  pin_calls=pin_calls)
         channel = Channel(member.store, f"offload-share/{sharing.session}/{sharing.leader}/", member.rank,
                           options.timeout_s)
-    inner = build_executor(plan, runtime, host_source=source)
+    inner = build_executor(job_plan(plan, job, member.rank), runtime, host_source=source)
     numa = plan.host_numa.node if pin is PinMethod.REGISTER else None
     log.info("rank %d: %s", member.rank, sharing.reason)
-    return SharedOffloader(inner, sharing, layout, source, channel, shm_dir=options.shm_dir, numa_node=numa)
+    mine = job.host_of(member.rank)
+    if mine is not None:
+        log.info("rank %d: host memory of the job on this host: %s", member.rank, mine.message)
+    return SharedOffloader(inner, sharing, layout, source, channel, shm_dir=options.shm_dir, numa_node=numa,
+                           refused=job.refused)
+
+
+def _read_host_memory() -> Platform:
+    """MemAvailable and the cgroup's memory limit, read now (nothing about the device)."""
+    from offload.capture import probe_platform, read_proc_text
+    from offload.cgroup_probe import with_cgroup_memory
+
+    return with_cgroup_memory(probe_platform(read_proc_text, None))
+
+
+def _job_memory(member: Membership, plan: OffloadPlan, sharing: SharingPlan | None, where: tuple[str, str, str],
+                host_memory: Platform | None, failure: Exception | None) -> JobMemory:
+    """Tell every process of the job what this one takes of its host's memory (or that it
+    failed), and judge the job from what they all told (the same on every process)."""
+    readings = host_memory if host_memory is not None else _read_host_memory()
+    role = sharing.role if sharing is not None else "alone"
+    new = process_host_bytes(plan, role, sharing.segment_bytes) if sharing is not None else 0
+    figures = ProcessMemory(rank=member.rank, host=where[0], boot_id=where[1], shm_id=where[2], role=role,
+                            new_bytes=new, private_bytes=private_host_bytes(plan),
+                            available_bytes=readings.host_available_bytes, cgroup=readings.cgroup_memory,
+                            host_check=plan.config.host_check,
+                            error="" if failure is None else f"{type(failure).__name__}: {failure}")
+    gathered = (member.job_gather or member.gather)(figures)
+    processes = [g for g in gathered if isinstance(g, ProcessMemory)]
+    if len(processes) != len(gathered):
+        raise ExecutionError("a process of the job sent something other than its ProcessMemory (do all processes "
+                             "of the job run the same version of offload, and call create_offloader with share_with "
+                             "at the same point?)", name="share_with", value=len(gathered))
+    return assess_job(processes)
 
 
 def _members(gathered: Sequence[Any]) -> list[MemberInfo]:
@@ -486,11 +591,11 @@ def _members(gathered: Sequence[Any]) -> list[MemberInfo]:
     return infos
 
 
-def _refuse(member: Membership, infos: Sequence[MemberInfo], bad: Sequence[int],
-            ours: tuple[int, str, Any]) -> None:
-    """Raise, on every member, naming the members whose weights differ from the lowest
-    rank's and the first difference of the first of them (a second gather: every member
-    takes this branch, since every member saw the same digests)."""
+def _mismatch(member: Membership, infos: Sequence[MemberInfo], bad: Sequence[int],
+              ours: tuple[int, str, Any]) -> ExecutionError:
+    """The error every member raises, naming the members whose weights differ from the
+    lowest rank's and the first difference of the first of them (a second gather: every
+    member takes this branch, since every member saw the same digests)."""
     gathered = member.gather((member.rank, *ours))
     by_rank = {int(g[0]): g for g in gathered}
     reference = min(i.rank for i in infos)
@@ -500,7 +605,7 @@ def _refuse(member: Membership, infos: Sequence[MemberInfo], bad: Sequence[int],
         why = f"rank {bad[0]} pins host memory with {pin}, rank {reference} with {ref_pin}"
     else:
         why = describe_mismatch(reference, ref_weights, bad[0], weights, reference_align=ref_align, align=align)
-    raise ExecutionError(
+    return ExecutionError(
         f"refusing to share host copies: the offloaded weights of rank{'s' if len(bad) > 1 else ''} "
         f"{ranks_text(bad)} differ from rank {reference}'s ({why}); nothing was mapped. Members of a sharing group "
         "must offload identical weights with identical plans", name="share_with", value=tuple(bad))

@@ -6,11 +6,15 @@ range with ``cudaHostRegisterReadOnly`` (the device promises not to write it). S
 register call takes flags here. Each slot is registered on its own, in pieces of at most
 `PIECE_BYTES` (one huge registration can fail and leave a sticky error), at page-aligned
 offsets (`offload.sharing.plan.lay_out` with the page size), so no page is registered
-twice. The calls are injected (`PinCalls`), so tests can play and fail them.
+twice. Before a follower registers, it asks the device whether it takes read-only
+registrations at all (``cudaDevAttrHostRegisterReadOnlySupported``); where it does not,
+nothing is attempted and the copy stays pageable. The calls are injected (`PinCalls`),
+so tests can play and fail them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 
@@ -20,12 +24,14 @@ import torch
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError, Unregister
 
 __all__ = [
+    "ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED",
     "HOST_REGISTER_DEFAULT",
     "HOST_REGISTER_FOLLOWER",
     "HOST_REGISTER_MAPPED",
     "HOST_REGISTER_PORTABLE",
     "HOST_REGISTER_READ_ONLY",
     "PinCalls",
+    "ReadOnlySupported",
     "RegisterWithFlags",
     "cuda_pin_calls",
     "register_range",
@@ -50,25 +56,47 @@ HOST_REGISTER_MAPPED = 0x02
 #: What followers register their read-only mapping with.
 HOST_REGISTER_FOLLOWER = HOST_REGISTER_READ_ONLY | HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
 
+#: cudaDevAttrHostRegisterReadOnlySupported, the ``cudaDeviceAttr`` saying whether the
+#: device takes `HOST_REGISTER_READ_ONLY` (``driver_types.h`` since CUDA 11.1:
+#: "Device supports using the cudaHostRegister flag cudaHostRegisterReadOnly to register
+#: memory that must be mapped as read-only to the GPU"; the driver's
+#: CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED has the same number).
+ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 113
+
 #: ``(pointer, nbytes, flags) -> cudaError`` (0 for success): ``cudaHostRegister``.
 RegisterWithFlags = Callable[[int, int, int], int]
+#: ``() -> value``: `ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED` of the device (0: it refuses
+#: read-only registrations), or None when it cannot be read (registration is then tried).
+ReadOnlySupported = Callable[[], int | None]
+
+
+def _not_asked() -> int | None:
+    return None
 
 
 @attrs.frozen
 class PinCalls:
-    """``cudaHostRegister`` with flags and ``cudaHostUnregister``, each returning a cudaError."""
+    """``cudaHostRegister`` with flags and ``cudaHostUnregister``, each returning a cudaError,
+    and the device's answer to whether it takes read-only registrations (None: unknown, so
+    it is tried; fakes that leave it out are such a device)."""
 
     register: RegisterWithFlags
     unregister: Unregister
+    read_only_supported: ReadOnlySupported = attrs.field(default=_not_asked, kw_only=True)
 
 
 def cuda_pin_calls(device: torch.device) -> PinCalls:
     """The real calls for CUDA `device`, made with it current; a failed call's error is
-    cleared (as `offload.runtime.cudart.host_calls` does) so that a fallback stays one."""
+    cleared (as `offload.runtime.cudart.host_calls` does) so that a fallback stays one.
+    ``cudaDeviceGetAttribute`` is not bound by torch: it comes through ctypes from the
+    libcudart torch loaded, as `offload.runtime.cudart` takes ``cudaHostAlloc``."""
     from offload.runtime.cudart import _function, _libcudart
 
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
-    last_error = _function(_libcudart(), "cudaGetLastError", ())
+    lib = _libcudart()
+    last_error = _function(lib, "cudaGetLastError", ())
+    get_attribute = _function(lib, "cudaDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                                              ctypes.c_int))
 
     def checked(status: int) -> int:
         if status and last_error is not None:
@@ -83,7 +111,21 @@ def cuda_pin_calls(device: torch.device) -> PinCalls:
         with torch.cuda.device(device):
             return checked(int(cudart.cudaHostUnregister(pointer)))
 
-    return PinCalls(register=register, unregister=unregister)
+    def read_only_supported() -> int | None:
+        if get_attribute is None:
+            log.debug("no cudaDeviceGetAttribute in libcudart: read-only registration is tried without asking")
+            return None
+        value = ctypes.c_int(0)
+        with torch.cuda.device(device):
+            index = torch.cuda.current_device()  # `device`'s, or the current one where it names none
+            status = checked(int(get_attribute(ctypes.byref(value), ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED, index)))
+        if status != 0:
+            log.debug("cudaDeviceGetAttribute(cudaDevAttrHostRegisterReadOnlySupported) failed with cudaError %d: "
+                      "read-only registration is tried without knowing", status)
+            return None
+        return int(value.value)
+
+    return PinCalls(register=register, unregister=unregister, read_only_supported=read_only_supported)
 
 
 def register_range(calls: PinCalls, base: int, nbytes: int, flags: int,

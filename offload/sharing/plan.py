@@ -17,10 +17,14 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from offload.pure.plan import OffloadPlan
+
+if TYPE_CHECKING:
+    from offload.sharing.admission import JobMemory
 
 __all__ = [
     "CACHE_LINE",
@@ -246,6 +250,9 @@ class SharingPlan:
             its alignment); 0 when not shared.
         session: the id naming this group's keys in the torch.distributed store.
         timeout_s: the longest one member waits for another at one step, in seconds.
+        job: the host memory of every process of the job (`ShareWith.job`), per
+            machine, and whether it fits (`offload.sharing.admission.assess_job`); None
+            until it is gathered at ``create_offloader``.
     """
 
     rank: int
@@ -260,6 +267,7 @@ class SharingPlan:
     segment_bytes: int
     session: str
     timeout_s: float
+    job: JobMemory | None = None
 
     @property
     def leader(self) -> int:

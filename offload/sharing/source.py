@@ -118,7 +118,8 @@ class SharedHostSource:
         self._pieces: dict[Ref, tuple[tuple[int, int], ...]] = {}  # registered slots
         self._pending: set[Ref] = set()  # leader: slots given to a loader, not written yet
         self._allowed: set[Ref] = set()  # follower: slots the leader has written
-        self.fallbacks = 0  # slots whose registration failed (they stay pageable)
+        self._read_only: bool | None = None  # follower: the device takes read-only registration (asked once)
+        self.fallbacks = 0  # slots whose registration failed or was not possible (they stay pageable)
 
     @property
     def leader(self) -> bool:
@@ -246,9 +247,18 @@ class SharedHostSource:
         return view
 
     def _pin(self, slot: Slot, view: torch.Tensor) -> None:
-        """Register the slot (read-only on followers); on failure it stays pageable."""
+        """Register the slot (read-only on followers); on failure, or on a follower whose
+        device does not take read-only registrations, it stays pageable."""
         if self._calls is None:
             self._calls = cuda_pin_calls(self._device)
+        if not self._leader and not self._takes_read_only(self._calls):
+            self.fallbacks += 1
+            if self.fallbacks == 1:
+                log.warning("rank %d: %s does not support read-only registration "
+                            "(cudaDevAttrHostRegisterReadOnlySupported is 0): its mapping of the shared host copy "
+                            "stays in pageable memory, which is slower and cannot be captured in CUDA graphs",
+                            self._rank, self._device)
+            return
         flags = HOST_REGISTER_DEFAULT if self._leader else HOST_REGISTER_FOLLOWER
         try:
             self._pieces[slot.ref] = register_range(self._calls, view.data_ptr(), slot.nbytes, flags,
@@ -262,6 +272,16 @@ class SharedHostSource:
         if len(self._pieces[slot.ref]) > 1:
             log.info("layer %d parameter %r is registered in %d pieces; its copies are not cut at their ends",
                      slot.ref[0], slot.ref[1], len(self._pieces[slot.ref]))
+
+    def _takes_read_only(self, calls: PinCalls) -> bool:
+        """Whether the device takes read-only registrations: asked once; unknown counts as
+        yes (the registration is tried, and a refusal is a fallback like any other)."""
+        if self._read_only is None:
+            answer = calls.read_only_supported()
+            self._read_only = answer is None or answer != 0
+            log.debug("rank %d: cudaDevAttrHostRegisterReadOnlySupported of %s is %s", self._rank, self._device,
+                      "unknown" if answer is None else answer)
+        return self._read_only
 
     def close(self) -> None:
         """Unregister every slot and stop holding the segment (tensors still over it keep

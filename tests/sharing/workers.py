@@ -13,6 +13,7 @@ Scenarios (``run(rank, world, out_dir, **kwargs) -> dict``):
 - ``mismatch``: rank 1 offloads a weight of another dtype (refused on both at
   create_offloader), then holds other values of the same shapes (refused on rank 1 at
   wrap_modules; rank 0 runs on).
+- ``job_admission``, ``job_failure``: the job's host admission, `tests.sharing.job_workers`.
 - ``cuda``: on a CUDA machine (the GPU tier, `tests/gpu/test_sharing_gpu.py`): a plan
   for this machine (pinning as it decides), weights from the host, forwards on the
   device against a resident copy there; whether every host copy is page-locked and in
@@ -40,6 +41,7 @@ from offload.protocols import Offloader
 from offload.sharing import ShareWith
 from tests.executors.helpers import assert_restored, cpu_plan, snapshot
 from tests.executors.models import layer_list
+from tests.sharing.job_workers import JOB_SCENARIOS
 from tests.sharing.scenarios import CONFIGS, build, engine, expect_failure, inputs_of, parity, shared, untouched
 
 __all__ = ["SCENARIOS", "rank_main"]
@@ -188,6 +190,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "leader_killed": _leader_killed,
     "follower_killed": _follower_killed,
     "mismatch": _mismatch,
+    **JOB_SCENARIOS,  # the job's host admission (tests.sharing.job_workers)
 }
 
 
