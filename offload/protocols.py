@@ -8,6 +8,9 @@
 - `HostBlocks`: what a runtime offers, beside `Runtime`, to hold several host copies in
   one allocation (one copy per prefetched layer, `offload.pure.blocks`). A runtime without
   it gets one host copy per storage and one memcpy per buffer.
+- `RegisteredRanges`: what a runtime offers to cut copies where host memory that someone
+  else registered (a segment shared between processes, `offload.sharing`) is registered
+  in several pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from offload.executors.live import LiveCheck
     from offload.stats import OffloadStats
 
-__all__ = ["Event", "HostBlocks", "Offloader", "Runtime"]
+__all__ = ["Event", "HostBlocks", "Offloader", "RegisteredRanges", "Runtime"]
 
 
 @runtime_checkable
@@ -197,4 +200,19 @@ class HostBlocks(Protocol):
         Raises:
             ExecutionError: the allocation failed.
         """
+        ...
+
+
+@runtime_checkable
+class RegisteredRanges(Protocol):
+    """Host memory registered outside the runtime, in several pieces (see the module
+    docstring): copies from it are cut where each piece ends, as the runtime cuts its own."""
+
+    def note_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """(address, bytes) of the pieces of one registered range, in address order, back
+        to back: copies whose source lies in it are cut at their ends from now on."""
+        ...
+
+    def forget_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """The range `note_registered` was told of is unregistered: forget it."""
         ...

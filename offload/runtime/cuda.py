@@ -111,8 +111,11 @@ class CudaRuntime:
         self._copy_stream = copy_stream(self._device)
         self._locked: dict[int, HostAllocation] = {}  # host data_ptr -> its page-locked memory
         self._member_of: dict[int, _Block] = {}  # data_ptr of a live member of a block -> the block
-        self._block_starts: list[int] = []  # sorted start addresses of the live page-locked blocks
-        self._block_at: dict[int, _Block] = {}  # start address -> page-locked block
+        # Ranges registered in pieces that are not one tensor of `_locked`: page-locked
+        # blocks, and ranges registered elsewhere (`note_registered`). Sorted start
+        # addresses, and start -> (end, pieces).
+        self._range_starts: list[int] = []
+        self._ranges: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
         self._placer = HostPlacer(numa_node) if numa_node is not None else None
@@ -186,8 +189,7 @@ class CudaRuntime:
         if locked is not None:
             for ptr in block.live:
                 self._member_of[ptr] = block
-            bisect.insort(self._block_starts, block.start)
-            self._block_at[block.start] = block
+            self._add_range(block.start, block.start + block.nbytes, locked.pieces)
         return allocation.tensor, list(allocation.members)
 
     def _pinned_block(self, layouts: Sequence[Layout], method: PinMethod) -> HostAllocation | None:
@@ -208,14 +210,37 @@ class CudaRuntime:
                             method.value, exc)
             return None
 
-    def _block_of(self, host: torch.Tensor) -> _Block | None:
-        """The page-locked block whose memory `host` starts in, if any."""
+    def _add_range(self, start: int, end: int, pieces: tuple[tuple[int, int], ...]) -> None:
+        if start not in self._ranges:
+            bisect.insort(self._range_starts, start)
+        self._ranges[start] = (end, pieces)
+
+    def _drop_range(self, start: int) -> None:
+        if self._ranges.pop(start, None) is not None:
+            self._range_starts.remove(start)
+
+    def _pieces_in(self, host: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """The pieces of the registered range `host` starts in (a block, or one registered
+        elsewhere), or () when it starts in none."""
         ptr = host.data_ptr()
-        at = bisect.bisect_right(self._block_starts, ptr) - 1
+        at = bisect.bisect_right(self._range_starts, ptr) - 1
         if at < 0:
-            return None
-        block = self._block_at[self._block_starts[at]]
-        return block if ptr < block.start + block.nbytes else None
+            return ()
+        end, pieces = self._ranges[self._range_starts[at]]
+        return pieces if ptr < end else ()
+
+    def note_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """Host memory registered outside this runtime in `pieces` (`RegisteredRanges`: a
+        shared segment's slot): copies from it are cut at the pieces' ends, as from a copy
+        of this runtime's own."""
+        if pieces:
+            start, (last, length) = pieces[0][0], pieces[-1]
+            self._add_range(start, last + length, tuple(pieces))
+
+    def forget_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """The range `note_registered` was told of is unregistered."""
+        if pieces:
+            self._drop_range(pieces[0][0])
 
     def _drain(self) -> None:
         """Give back host memory whose tensors died unreleased (never inside a capture)."""
@@ -271,8 +296,7 @@ class CudaRuntime:
             block.live.discard(host.data_ptr())
             if not block.live and block.allocation is not None:  # the last member: the block goes
                 locked = block.allocation
-                del self._block_at[block.start]
-                self._block_starts.remove(block.start)
+                self._drop_range(block.start)
         if locked is not None:
             for status in locked.release():
                 log.warning("cudaHostUnregister failed with cudaError %d", status)
@@ -311,12 +335,12 @@ class CudaRuntime:
     def _chunks(self, dst: torch.Tensor, host: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`span_chunks` with the pieces `host` is registered in (one memcpy per piece)."""
         locked = self._locked.get(host.data_ptr())
-        if locked is None and self._block_starts:  # a member of a block, or a slice of one
-            block = self._block_of(host)
-            locked = block.allocation if block is not None else None
+        if locked is not None:
+            pieces = locked.pieces
+        else:  # a member of a block, a slice of one, or memory registered elsewhere
+            pieces = self._pieces_in(host) if self._range_starts else ()
         # One registered piece has no boundary inside the tensor to cut at.
-        pieces = locked.pieces if locked is not None and len(locked.pieces) > 1 else ()
-        return span_chunks(dst, host, pieces)
+        return span_chunks(dst, host, pieces if len(pieces) > 1 else ())
 
     def device_empty(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor on the device with exactly these strides."""

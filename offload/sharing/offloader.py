@@ -49,7 +49,7 @@ from torch import nn
 from offload.errors import ExecutionError
 from offload.executors.common import Ref, find_parameter
 from offload.executors.live import LiveCheck
-from offload.protocols import Offloader, Runtime
+from offload.protocols import Offloader, RegisteredRanges, Runtime
 from offload.pure.decisions import PinMethod
 from offload.pure.env import Platform
 from offload.pure.plan import OffloadPlan
@@ -525,7 +525,8 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
         if sharing.shared:
             source = SharedHostSource(layout, leader=sharing.role == "leader", rank=member.rank,
                                       leader_rank=sharing.leader, pin=pin, device=runtime.device,
-                                      verify=options.verify, pin_calls=pin_calls)
+                                      verify=options.verify, pin_calls=pin_calls,
+                                      ranges=runtime if isinstance(runtime, RegisteredRanges) else None)
         build_executor(plan, runtime, host_source=source)  # a plan its backend refuses fails here, before the exchange
     except Exception as exc:  # every kind is told to the others, then raised as it was
         failure = exc

@@ -24,6 +24,7 @@ import torch
 from offload.errors import ExecutionError
 from offload.executors.common import torch_dtype
 from offload.executors.hoststore import Ref
+from offload.protocols import RegisteredRanges
 from offload.pure.decisions import PinMethod
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError
 from offload.sharing.pinning import (
@@ -89,6 +90,9 @@ class SharedHostSource:
             a weight that differs (turn off only when followers do not load weights).
         pin_calls: the CUDA calls (`cuda_pin_calls` of `device` when None, made on first use).
         piece_bytes: the largest range registered at once.
+        ranges: told of each slot registered in more than one piece, so that copies from
+            it are cut at the pieces' ends (the runtime, `RegisteredRanges`); None: they
+            are not (logged).
 
     Raises:
         ExecutionError: `pin` is `PinMethod.ALLOC` (memory from cudaHostAlloc cannot be
@@ -97,7 +101,7 @@ class SharedHostSource:
 
     def __init__(self, layout: SegmentLayout, *, leader: bool, rank: int, leader_rank: int, pin: PinMethod,
                  device: torch.device, verify: bool = True, pin_calls: PinCalls | None = None,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, ranges: RegisteredRanges | None = None) -> None:
         if pin is PinMethod.ALLOC:
             raise ExecutionError(
                 "host copies cannot be shared when the plan pins with cudaHostAlloc (the device cannot register "
@@ -112,6 +116,8 @@ class SharedHostSource:
         self._verify = verify
         self._calls = pin_calls
         self._piece_bytes = piece_bytes
+        self._ranges = ranges
+        self._noted: list[tuple[tuple[int, int], ...]] = []  # pieces told to `ranges`
         self._mapping: SegmentMapping | None = None
         self._views: dict[Ref, torch.Tensor] = {}  # slots given out and not given back
         self._at: dict[int, Ref] = {}  # data pointer of a view -> its slot
@@ -269,9 +275,14 @@ class SharedHostSource:
                 log.warning("page-locking the shared host copy failed (%s); this and later failures stay in "
                             "pageable memory, which is slower and cannot be captured in CUDA graphs", exc)
             return
-        if len(self._pieces[slot.ref]) > 1:
-            log.info("layer %d parameter %r is registered in %d pieces; its copies are not cut at their ends",
-                     slot.ref[0], slot.ref[1], len(self._pieces[slot.ref]))
+        pieces = self._pieces[slot.ref]
+        if len(pieces) > 1:
+            if self._ranges is not None:
+                self._ranges.note_registered(pieces)
+                self._noted.append(pieces)
+            else:
+                log.info("layer %d parameter %r is registered in %d pieces; its copies are not cut at their ends",
+                         slot.ref[0], slot.ref[1], len(pieces))
 
     def _takes_read_only(self, calls: PinCalls) -> bool:
         """Whether the device takes read-only registrations: asked once; unknown counts as
@@ -287,6 +298,9 @@ class SharedHostSource:
         """Unregister every slot and stop holding the segment (tensors still over it keep
         it mapped, as pageable memory, until they die)."""
         calls = self._calls
+        if self._ranges is not None:
+            while self._noted:
+                self._ranges.forget_registered(self._noted.pop())
         if calls is not None:
             for pieces in self._pieces.values():
                 for status in unregister_pieces(calls, pieces):

@@ -51,7 +51,7 @@ def test_each_layer_is_one_copy_from_pinned_blocks_and_bit_exact(blocks: LayerBl
     off.restore()
     for got, want in zip(model.parameters(), reference.parameters(), strict=True):
         assert got.device == want.device and torch.equal(got, want)
-    assert not runtime._block_starts and not runtime._member_of  # every block given back
+    assert not runtime._range_starts and not runtime._member_of  # every block given back
 
 
 def test_blocks_registered_in_pieces_copy_piece_by_piece_and_replay_in_a_graph() -> None:
@@ -73,7 +73,7 @@ def test_blocks_registered_in_pieces_copy_piece_by_piece_and_replay_in_a_graph()
         ref_graph.replay()
         assert torch.equal(out, ref_out)
     off.restore()
-    assert not runtime._block_starts
+    assert not runtime._range_starts
 
 
 def test_inductor_with_arenas_matches_eager_and_hands_the_ops_the_real_slots() -> None:

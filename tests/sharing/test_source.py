@@ -4,7 +4,7 @@ in this process, and page-locking as the plan says through fake CUDA calls."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -176,6 +176,42 @@ def test_large_slots_register_in_pieces_and_a_refusal_leaves_the_slot_pageable(
     assert lead.fallbacks == 1
     assert pins.unregistered == [pins.registered[0][0]]  # the piece before the refusal is undone
     assert [n for _, n, _ in pins.registered] == [1024, 1024]
+
+
+class Ranges:
+    """Plays a runtime's `RegisteredRanges`: what it was told, and what it forgot."""
+
+    def __init__(self) -> None:
+        self.noted: list[tuple[tuple[int, int], ...]] = []
+        self.forgotten: list[tuple[tuple[int, int], ...]] = []
+
+    def note_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        self.noted.append(tuple(pieces))
+
+    def forget_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
+        self.forgotten.append(tuple(pieces))
+
+
+def test_slots_registered_in_pieces_are_told_to_the_runtime_and_forgotten_on_close(
+        segment: tuple[SegmentLayout, SegmentMapping, SegmentMapping]) -> None:
+    """#13: the runtime cuts copies at registration pieces it knows of; a slot the source
+    registered in several pieces must be among them, or its copies cross a boundary."""
+    layout, leader, _ = segment
+    pins = FakePins()
+    ranges = Ranges()
+    lead = SharedHostSource(layout, leader=True, rank=0, leader_rank=0, pin=PinMethod.REGISTER, device=CUDA,
+                            pin_calls=pins.calls(), piece_bytes=1024, ranges=ranges)
+    lead.attach(leader)
+    w = weights()
+    for s in layout.slots:
+        lead.copy(s.ref, w[s.ref])
+    multi = [s for s in layout.slots if s.nbytes > 1024]
+    assert multi  # the test needs slots larger than one piece
+    expected = [tuple((leader.base + s.offset + i, min(1024, s.nbytes - i)) for i in range(0, s.nbytes, 1024))
+                for s in multi]
+    assert ranges.noted == expected  # one piece only: nothing to cut, nothing told
+    lead.close()
+    assert sorted(ranges.forgotten) == sorted(expected)
 
 
 def test_no_registration_without_pinning_or_on_the_cpu(
