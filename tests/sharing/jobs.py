@@ -9,11 +9,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import torch
 from torch._C._distributed_c10d import HashStore
 
 from offload.sharing.coordinate import Gather, Membership
-from tests.sharing.members import JOIN_S, Outcome
+from tests.sharing.members import JOIN_S, Outcome, run_threads
 
 __all__ = ["run_job"]
 
@@ -56,21 +55,10 @@ def run_job(groups: Sequence[Sequence[int]], member: Callable[[int, Membership],
     job = _Gathering(range(size))
     gatherings = [_Gathering(sorted(g)) for g in groups]
     of_rank = {r: gathering for g, gathering in zip(groups, gatherings, strict=True) for r in g}
-    outcomes: list[Outcome] = [Outcome() for _ in range(size)]
 
-    def run(rank: int) -> None:
+    def body(rank: int) -> T:
         membership = Membership(rank=rank, gather=of_rank[rank].gather(rank), store=store,
                                 host=hosts[rank] if hosts is not None else None, job_gather=job.gather(rank))
-        try:
-            with torch.no_grad():
-                outcomes[rank] = Outcome(value=member(rank, membership))
-        except BaseException as exc:  # reported to the test, which asserts on it
-            outcomes[rank] = Outcome(error=exc)
+        return member(rank, membership)
 
-    threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(t.is_alive() for t in threads), "a member thread hung"
-    return outcomes
+    return run_threads(size, body)

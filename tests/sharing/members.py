@@ -17,7 +17,7 @@ from torch._C._distributed_c10d import HashStore
 
 from offload.sharing.coordinate import Membership
 
-__all__ = ["Outcome", "ThreadGroup", "run_members"]
+__all__ = ["Outcome", "ThreadGroup", "run_members", "run_threads"]
 
 T = TypeVar("T")
 
@@ -73,12 +73,22 @@ def run_members(size: int, member: Callable[[int, Membership], T],
         AssertionError: a thread did not finish within `JOIN_S` seconds.
     """
     group = ThreadGroup(size, hosts)
+    return run_threads(size, lambda rank: member(rank, group.membership(rank)))
+
+
+def run_threads(size: int, body: Callable[[int], Any]) -> list[Outcome]:
+    """Run ``body(rank)`` for every rank in its own thread under ``torch.no_grad()``; each
+    thread's result or exception, in rank order.
+
+    Raises:
+        AssertionError: a thread did not finish within `JOIN_S` seconds.
+    """
     outcomes: list[Outcome] = [Outcome() for _ in range(size)]
 
     def run(rank: int) -> None:
         try:
             with torch.no_grad():
-                outcomes[rank] = Outcome(value=member(rank, group.membership(rank)))
+                outcomes[rank] = Outcome(value=body(rank))
         except BaseException as exc:  # reported to the test, which asserts on it
             outcomes[rank] = Outcome(error=exc)
 
