@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 import threading
 from collections.abc import Iterator
 
@@ -26,12 +25,12 @@ from offload.sharing.pinning import (
     PinCalls,
 )
 from offload.sharing.plan import SegmentLayout, lay_out
-from offload.sharing.segment import SegmentMapping, create_segment, open_segment, unlink_segment
+from offload.sharing.segment import SegmentMapping
 from offload.sharing.source import SharedHostSource
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import CUDA_LIKE
 from tests.executors.models import layer_list, transformer_model
-from tests.sharing.fakes import FakePins
+from tests.sharing.fakes import FakePins, mapped_twice
 from tests.sharing.members import run_members
 from tests.sharing.scenarios import CONFIGS, build, inputs_of, shared
 
@@ -65,13 +64,7 @@ def plan() -> OffloadPlan:
 @pytest.fixture
 def segment() -> Iterator[tuple[SegmentLayout, SegmentMapping, SegmentMapping]]:
     layout = lay_out(plan(), mmap.PAGESIZE)
-    leader, fd = create_segment(layout.total_bytes)
-    try:
-        follower = open_segment(leader.name, layout.total_bytes)
-    finally:
-        os.close(fd)
-        unlink_segment(leader.name)
-    yield layout, leader, follower
+    yield layout, *mapped_twice(layout)
 
 
 def weights() -> dict[tuple[int, str], torch.Tensor]:

@@ -3,7 +3,6 @@ in this process, and page-locking as the plan says through fake CUDA calls."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -16,10 +15,10 @@ from offload.pure.moves import Move
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing.pinning import HOST_REGISTER_DEFAULT, HOST_REGISTER_FOLLOWER, HOST_REGISTER_READ_ONLY
 from offload.sharing.plan import CACHE_LINE, SegmentLayout, lay_out
-from offload.sharing.segment import SegmentMapping, create_segment, open_segment, unlink_segment
+from offload.sharing.segment import SegmentMapping
 from offload.sharing.source import SharedHostSource, same_sample
 from tests.executors.models import layer_list, transformer_model
-from tests.sharing.fakes import FakePins
+from tests.sharing.fakes import FakePins, mapped_twice
 
 PAGE = 4096
 CPU = torch.device("cpu")
@@ -40,13 +39,7 @@ def weights() -> dict[tuple[int, str], torch.Tensor]:
 @pytest.fixture
 def segment() -> Iterator[tuple[SegmentLayout, SegmentMapping, SegmentMapping]]:
     layout = lay_out(plan(), PAGE)
-    leader, fd = create_segment(layout.total_bytes)
-    try:
-        follower = open_segment(leader.name, layout.total_bytes)
-    finally:
-        os.close(fd)
-        unlink_segment(leader.name)
-    yield layout, leader, follower
+    yield layout, *mapped_twice(layout)
 
 
 def sources(layout: SegmentLayout, leader: SegmentMapping, follower: SegmentMapping, *, pin: PinMethod = PinMethod.NONE,
