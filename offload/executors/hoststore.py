@@ -155,7 +155,7 @@ class HostStore:
         """
         host = self._copies.get(ref)
         if (host is None or not self.in_block(ref) or host is tensor or host.dtype != tensor.dtype
-                or host.shape != tensor.shape or host.stride() != tensor.stride() or self._in_a_block(tensor)):
+                or host.shape != tensor.shape or host.stride() != tensor.stride() or self.in_a_block(tensor)):
             return None
         try:
             host.copy_(tensor)
@@ -164,8 +164,9 @@ class HostStore:
                                  f"{exc}", name=ref[1], value=ref[0]) from exc
         return host
 
-    def _in_a_block(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`'s memory lies in one of the blocks."""
+    def in_a_block(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s memory lies in one of the blocks (it may be a member, or data
+        post-processing took from one)."""
         if tensor.device.type != "cpu" or not tensor.numel():
             return False
         ptr = tensor.data_ptr()

@@ -65,10 +65,10 @@ from offload.executors.telemetry import StepLog
 from offload.protocols import Event, Runtime
 from offload.pure.blocks import Span, merge_spans, slot_arenas
 from offload.pure.layout import owns_buffer
-from offload.pure.plan import Backend, OffloadPlan
+from offload.pure.plan import Backend, OffloadPlan, ParamPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
-from offload.runtime.arena import carve
+from offload.runtime.arena import CAN_CARVE, carve
 from offload.stats import OffloadStats
 
 __all__ = ["PrefetchOffloader"]
@@ -240,7 +240,7 @@ class PrefetchOffloader:
         torch.compile). Returns, by data pointer of each such buffer, (its arena's flat
         view, its byte offset)."""
         placed: dict[int, tuple[torch.Tensor, int]] = {}
-        if not self._host.has_blocks:
+        if not self._host.has_blocks or not CAN_CARVE:
             return placed
         by_key = {b.key: b for b in plan.buffers}
         for arena in slot_arenas(plan.buffers):
@@ -321,8 +321,13 @@ class PrefetchOffloader:
             self._issue(position, self._record(), in_capture=False)
 
     def _resync(self) -> dict[Ref, ParamSpec | None]:
-        """Re-read offloaded parameters; re-copy replaced data; report what each is now."""
+        """Re-read offloaded parameters; re-copy replaced data; report what each is now.
+
+        Replaced data that lies in a host block (a weight post-processing moved from one
+        parameter to another) is copied first: data copied into a block in place could
+        otherwise overwrite it before its new parameter has its copy."""
         actual: dict[Ref, ParamSpec | None] = {}
+        replaced: list[tuple[ParamPlan, nn.Parameter]] = []
         for p in self._plan.offloaded_params:
             ref = (p.layer, p.name)
             param = find_parameter(self._layers[p.layer], p.name)
@@ -334,9 +339,15 @@ class PrefetchOffloader:
                 continue
             expected = self._host.get(p.tied_to or ref)
             if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
-                # Replaced (or its tie was broken): its data gets its own host copy.
-                param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
-            actual[ref] = current_spec(p, param.data)
+                replaced.append((p, param))  # replaced (or its tie was broken): its data gets its own host copy
+            actual[ref] = None  # filled below, in plan order
+        replaced.sort(key=lambda entry: not self._host.in_a_block(entry[1].data))  # stable: plan order otherwise
+        for p, param in replaced:
+            param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
+        for p in self._plan.offloaded_params:
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is not None:
+                actual[(p.layer, p.name)] = current_spec(p, param.data)
         return actual
 
     # ---- the forward path -----------------------------------------------------------

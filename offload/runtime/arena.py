@@ -9,16 +9,25 @@ over its bytes (``torch._C._construct_storage_from_data_pointer``, as inductor's
 trees make theirs), which owns nothing; the arena stays alive because that storage's Python
 object holds it, and PyTorch keeps a storage's Python object (with its attributes) alive as
 long as any tensor uses the storage.
+
+Such storages own nothing, so the CUDA caching allocator does not know them:
+``Tensor.record_stream`` on them does nothing (the executor orders its streams with
+events, and frees arenas only after synchronising), and sending one to another process
+(``torch.multiprocessing``, CUDA IPC) is refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ARENA_ATTRIBUTE", "carve"]
+__all__ = ["ARENA_ATTRIBUTE", "CAN_CARVE", "carve"]
 
 #: The attribute of each carved storage that holds the arena.
 ARENA_ATTRIBUTE = "_offload_arena"
+
+#: Whether this torch can make a storage over part of an allocation (every release since
+#: 2.1 can); without it there are no arenas, and every buffer is an allocation of its own.
+CAN_CARVE = hasattr(torch._C, "_construct_storage_from_data_pointer")
 
 
 def carve(arena: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...],

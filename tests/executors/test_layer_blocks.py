@@ -317,3 +317,22 @@ def test_a_block_whose_members_were_all_replaced_is_let_go() -> None:
     gc.collect()
     assert member.expired()  # type: ignore[no-untyped-call]  # as above
     assert off.stats().host_bytes == LAYER_BYTES + 64 * 64 * 4 + 64 * 8
+
+
+def test_a_weight_moved_to_another_layer_keeps_its_values_when_its_old_place_is_refilled() -> None:
+    """Post-processing gives layer 1 layer 0's weight, and layer 0 new data of the same
+    layout: the new data must not be copied into layer 0's block before layer 1 has its
+    own copy of what was there."""
+    model = odd_middle_model(2)
+    reference = copy.deepcopy(model)
+    off = prefetch(pinned_plan(model, config()), BlockRuntime())
+    off.wrap_modules(layer_list(model))
+    for m in (model, reference):
+        first, second = m[0], m[1]
+        assert isinstance(first, OddMiddle) and isinstance(second, OddMiddle)
+        second.second.data = first.second.data
+        first.second.data = torch.full_like(first.second.data, 0.5)
+    off.post_init()
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))

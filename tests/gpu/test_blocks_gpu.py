@@ -77,15 +77,20 @@ def test_blocks_registered_in_pieces_copy_piece_by_piece_and_replay_in_a_graph()
 
 
 def test_inductor_with_arenas_matches_eager_and_hands_the_ops_the_real_slots() -> None:
-    """Slots shared by several layers (6 layers, 2 slots), arena members over storages of
-    their own: inductor compiles them as separate inputs, and the ops get the slots."""
+    """Slots shared by several layers (3 layers, 2 slots), arena members over storages of
+    their own: inductor compiles them as separate inputs, and the ops get the slots.
+    Inductor fuses differently around the ops, so within bf16 tolerance (as
+    `test_compiled_inductor_matches_eager_within_bf16_tolerance`), not bit for bit."""
     from offload.executors import ops
 
-    model = gpu_model()
+    torch._dynamo.reset()
+    model = gpu_model(3, hidden=512)
     reference = copy.deepcopy(model)
     off = offload_with(model, CudaRuntime())
+    assert off.stats().copies_issued == 2  # post_init copied the first two layers, one copy each
     compiled = torch.compile(model, fullgraph=True)
-    for x in gpu_inputs(seed=4, count=3):
-        torch.testing.assert_close(compiled(x), reference(x), atol=2e-2, rtol=2e-2)
+    for x in gpu_inputs(seed=4, count=3, hidden=512):
+        torch.testing.assert_close(compiled(x), reference(x), atol=3e-2, rtol=3e-2)
     assert off._handle not in ops._copied_once
     off.restore()
+    torch._dynamo.reset()
