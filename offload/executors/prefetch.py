@@ -337,18 +337,24 @@ class PrefetchOffloader:
                 self._host.drop(ref)
                 log.info("layer %d parameter %r was deleted by post-processing; dropped", p.layer, p.name)
                 continue
-            expected = self._host.get(p.tied_to or ref)
-            if expected is None or (key := storage_key(param.data)) is None or key != storage_key(expected):
-                replaced.append((p, param))  # replaced (or its tie was broken): its data gets its own host copy
+            if self._replaced(p, param):  # (or its tie was broken): its data gets its own host copy
+                replaced.append((p, param))
             actual[ref] = None  # filled below, in plan order
         replaced.sort(key=lambda entry: not self._host.in_a_block(entry[1].data))  # stable: plan order otherwise
         for p, param in replaced:
-            param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
+            if self._replaced(p, param):  # asked again: a tie's data is its primary's, re-copied a moment ago
+                param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
         for p in self._plan.offloaded_params:
             param = find_parameter(self._layers[p.layer], p.name)
             if param is not None:
                 actual[(p.layer, p.name)] = current_spec(p, param.data)
         return actual
+
+    def _replaced(self, p: ParamPlan, param: nn.Parameter) -> bool:
+        """Whether `param`'s data is no longer the host copy behind it."""
+        expected = self._host.get(p.tied_to or (p.layer, p.name))
+        key = storage_key(param.data)
+        return expected is None or key is None or key != storage_key(expected)
 
     # ---- the forward path -----------------------------------------------------------
 
