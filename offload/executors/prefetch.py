@@ -116,6 +116,7 @@ class PrefetchOffloader:
         self._pending: dict[int, tuple[Event, bool]] = {}
         self._landed: set[int] = set()
         self._position_of: dict[int, int] = {}  # offloaded layer -> schedule position (post_init)
+        self._next_after: tuple[int | None, ...] = ()  # the schedule's next_after (post_init)
         self._dropped = 0
         # The schedule position expected next, and whether layers get their copy when
         # they run until the next step begins (see `_realign`).
@@ -290,6 +291,7 @@ class PrefetchOffloader:
                     slots[slot] = self._rt.device_empty(b.shape, b.stride, dtype)
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
         self._position_of = position_of
+        self._next_after = tuple(plan.schedule.next_after)
         copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
         self._bound = [[] for _ in plan.offloaded_layers]
         slot_params: dict[int, list[nn.Parameter]] = {}
@@ -564,7 +566,7 @@ class PrefetchOffloader:
         position = self._position(layer)
         if position is None or self._recovering:
             return
-        target = self._plan.schedule.next_after[position]
+        target = self._next_after[position]
         if target is None:
             return
         capturing = self._rt.is_capturing()
