@@ -37,7 +37,7 @@ from offload.pure.moves import Move
 from offload.pure.plan import BufferPlan, OffloadPlan, Placement
 from offload.pure.spec import ParamSpec
 
-__all__ = ["ALIGN", "Arena", "HostBlock", "Span", "aligned", "host_blocks", "merge_spans", "slot_arenas"]
+__all__ = ["ALIGN", "Arena", "HostBlock", "Span", "aligned", "host_blocks", "layer_copies", "merge_spans", "slot_arenas"]
 
 #: The alignment (and size granularity) of every member of a block or an arena, in bytes:
 #: what ``cudaMalloc`` guarantees for a separate allocation.
@@ -224,3 +224,41 @@ def merge_spans(spans: Sequence[Span]) -> list[list[int]]:
         elif first[head] == i:
             groups.append(members[head])
     return groups
+
+
+def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None = None) -> tuple[int, ...]:
+    """How many copies each offloaded layer of a prefetch plan is (in `offloaded_layers`
+    order), laid out as the prefetch executor lays it out: one per buffer a layer owns,
+    less those merged into one (`merge_spans`) because they lie back to back both in the
+    layer's host block and in its slot's arena.
+
+    Args:
+        plan: a prefetch plan (any other backend: ()).
+        moves: how each offloaded weight reaches host memory; None: from the devices it was
+            planned on (`OffloadPlan.move_of`), so what the plan predicts before it runs.
+
+    Returns:
+        Copies per offloaded layer, for a runtime that makes blocks (`HostBlocks`); without
+        one, each layer is one copy per buffer it owns.
+    """
+    if not plan.offloaded_layers or not plan.buffers:
+        return ()
+    if moves is None:
+        moves = {(p.layer, p.name): plan.move_of(p) for p in plan.params if p.offloaded}
+    blocks = {b.layer: b for b in host_blocks(plan, moves)}
+    arenas = {a.slot: a for a in slot_arenas(plan.buffers)} if blocks else {}
+    owned: dict[int, list[Span]] = {layer: [] for layer in plan.offloaded_layers}
+    for p in plan.params:
+        if p.placement is not Placement.PREFETCH or p.slot is None or not owns_buffer(p) or p.layer not in owned:
+            continue
+        arena, block = arenas.get(p.slot), blocks.get(p.layer)
+        key = p.param.buffer_key
+        in_arena = arena is not None and key in arena.keys
+        in_block = block is not None and p.tied_to is None and p.name in block.names
+        if arena is not None and block is not None and in_arena and in_block:
+            span = Span(dst=arena, dst_offset=arena.offsets[arena.keys.index(key)], src=block,
+                        src_offset=block.offsets[block.names.index(p.name)], nbytes=p.param.nbytes)
+        else:
+            span = Span(dst=None, dst_offset=0, src=None, src_offset=0, nbytes=p.param.nbytes)
+        owned[p.layer].append(span)
+    return tuple(len(merge_spans(owned[layer])) for layer in plan.offloaded_layers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from offload.pure.admission import HostFit
+from offload.pure.blocks import layer_copies
 from offload.pure.moves import Move, move_text
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.units import format_bytes
@@ -130,6 +131,11 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
             f"prefetch_step {c.prefetch_step}; {len(plan.offloaded_layers)} layers offloaded, "
             f"{plan.schedule.num_slots} slot{'' if plan.schedule.num_slots == 1 else 's'} per buffer key"
         )
+        copies = layer_copies(plan)
+        if copies:
+            whole = sum(1 for n in copies if n == 1)
+            lines.append(f"copies:   {sum(copies)} per step; {whole} of {len(copies)} offloaded layers are one copy each "
+                         f"(layer_blocks {c.layer_blocks}, weights where they are now)")
     if plan.backend is Backend.UVA:
         lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")
     if c.param_filter:

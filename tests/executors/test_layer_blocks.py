@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
 from offload.executors import ops
 from offload.executors.live import Location
+from offload.pure.blocks import layer_copies
 from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot
@@ -109,6 +110,7 @@ def test_unaligned_parameters_are_copied_alone_beside_the_merged_rest() -> None:
     sizes = Counter(n for _, _, n in rt.copies[issued:])
     # The two 16 KiB weights of each layer are one copy; the 252-byte vector its own.
     assert sizes == Counter({2 * 64 * 64 * 4: 16, 63 * 4: 16})
+    assert layer_copies(off.plan) == (2, 2, 2, 2)  # what the plan predicts, and render_plan shows
     assert rt.blocks_made == 4
     assert off.stats().host_bytes == off.plan.host_bytes
 

@@ -19,7 +19,7 @@ from offload import (
     make_plan,
 )
 from offload.errors import ConfigError
-from offload.pure.blocks import ALIGN, Span, aligned, host_blocks, merge_spans, slot_arenas
+from offload.pure.blocks import ALIGN, Span, aligned, host_blocks, layer_copies, merge_spans, slot_arenas
 from offload.pure.moves import Move
 
 GPU = EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=1 << 40, can_map_host_memory=True))
@@ -213,3 +213,25 @@ def test_merged_groups_cover_every_span_once_and_are_contiguous_and_maximal(span
             assert not (first.dst is last.dst and first.src is last.src
                         and first.dst_offset == last.dst_offset + last.nbytes
                         and first.src_offset == last.src_offset + last.nbytes)
+
+
+# ---- layer_copies -----------------------------------------------------------------------
+
+
+def test_layer_copies_merge_the_aligned_weights_and_leave_the_rest_alone() -> None:
+    plan = plan_for(spec(4))
+    # w, up and norm lie back to back in the block and the arena: one copy; b alone: one more.
+    assert layer_copies(plan) == (2, 2, 2, 2)
+    assert layer_copies(plan, moves(plan, Move.ADOPT)) == (4, 4, 4, 4)  # adopted: no block under auto
+    never = plan_for(spec(4), "never")
+    assert layer_copies(never) == (4, 4, 4, 4)
+
+
+def test_layer_copies_count_a_layer_tie_once_and_nothing_for_other_backends() -> None:
+    def params(i: int) -> tuple[ParamSpec, ...]:
+        return (p("w", 64, 4, key=f"k{i}"), p("tied", 64, 4, key=f"k{i}"), p("up", 64, 4))
+
+    plan = plan_for(spec(3, params))
+    assert layer_copies(plan) == (1, 1, 1)  # w and up; the tie reads w's buffer
+    uva = make_plan(spec(2), OffloadConfig(backend="uva", uva_max_bytes=1 << 20), GPU)
+    assert layer_copies(uva) == ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 from hypothesis import given, settings
 
@@ -100,6 +101,18 @@ def test_the_prefetch_numbers_are_the_expected_ones() -> None:
     lines = render_plan(plan).splitlines()
     assert any("offloaded" in line and _has_gib(line, 3 * (GIB + GIB // 4)) for line in lines)
     assert any("buffers" in line and _has_gib(line, 2 * (GIB + GIB // 4)) for line in lines)
+
+
+def test_render_says_how_many_copies_a_step_makes() -> None:
+    # By hand: each offloaded layer's two weights (1 GiB and 0.25 GiB, dense) share a block
+    # and an arena, so each layer is one copy; with layer_blocks "never", two.
+    config, env = PLANS[0][1], PLANS[0][2]
+    merged = [line for line in render_plan(_plan(config, env)).splitlines() if line.startswith("copies:")]
+    assert merged == ["copies:   3 per step; 3 of 3 offloaded layers are one copy each "
+                      "(layer_blocks auto, weights where they are now)"]
+    never = render_plan(_plan(attrs.evolve(config, layer_blocks="never"), env))
+    assert "copies:   6 per step; 0 of 3 offloaded layers are one copy each (layer_blocks never" in never
+    assert not any(line.startswith("copies:") for line in render_plan(_plan(PLANS[2][1], PLANS[2][2])).splitlines())
 
 
 def test_render_says_what_is_offloaded_per_layer() -> None:
