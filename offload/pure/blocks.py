@@ -28,6 +28,7 @@ every weight is adopted, that is what makes the CPU runtime run the copies a GPU
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
@@ -51,8 +52,12 @@ _NEW_COPY = frozenset({Move.TO_HOST, Move.HOST_TO_PINNED, Move.NEW_ON_HOST})
 def aligned(spec: ParamSpec) -> bool:
     """True when `spec` can be a member of a block or an arena: dense, and a non-zero
     multiple of `ALIGN` bytes."""
-    nbytes = spec.nbytes
-    return nbytes > 0 and nbytes % ALIGN == 0 and nbytes == spec.numel * spec.itemsize
+    return _aligned(spec.nbytes, spec.numel, spec.itemsize)
+
+
+def _aligned(nbytes: int, numel: int, itemsize: int) -> bool:
+    """`aligned` from a span's bytes, its element count and the element size."""
+    return nbytes > 0 and nbytes % ALIGN == 0 and nbytes == numel * itemsize
 
 
 @attrs.frozen
@@ -89,17 +94,6 @@ class Arena:
     nbytes: int
 
 
-def _aligned_buffer(b: BufferPlan) -> bool:
-    return b.slot_bytes > 0 and b.slot_bytes % ALIGN == 0 and b.slot_bytes == _numel(b.shape) * b.itemsize
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
 def slot_arenas(buffers: Iterable[BufferPlan]) -> tuple[Arena, ...]:
     """The arenas of a prefetch plan's static buffers: for each slot, the aligned buffers
     (`aligned`) that have that slot, in the plan's buffer order (the order of first use,
@@ -114,7 +108,7 @@ def slot_arenas(buffers: Iterable[BufferPlan]) -> tuple[Arena, ...]:
     """
     keys: dict[int, list[tuple[BufferKey, int]]] = {}
     for b in buffers:
-        if not _aligned_buffer(b):
+        if not _aligned(b.slot_bytes, math.prod(b.shape), b.itemsize):
             continue
         key: BufferKey = (b.name, b.shape, b.stride, b.dtype)
         for slot in b.slots:
