@@ -329,27 +329,25 @@ class PrefetchOffloader:
         parameter to another) is copied first: data copied into a block in place could
         otherwise overwrite it before its new parameter has its copy."""
         actual: dict[Ref, ParamSpec | None] = {}
-        replaced: list[tuple[ParamPlan, nn.Parameter]] = []
+        found: list[tuple[ParamPlan, nn.Parameter]] = []
         for p in self._plan.offloaded_params:
             ref = (p.layer, p.name)
             param = find_parameter(self._layers[p.layer], p.name)
+            actual[ref] = None  # a deleted one stays None; the others are filled below, in plan order
             if param is None:
-                actual[ref] = None
                 self._dropped += 1
                 self._host.drop(ref)
                 log.info("layer %d parameter %r was deleted by post-processing; dropped", p.layer, p.name)
                 continue
-            if self._replaced(p, param):  # (or its tie was broken): its data gets its own host copy
-                replaced.append((p, param))
-            actual[ref] = None  # filled below, in plan order
-        replaced.sort(key=lambda entry: not self._host.in_a_block(entry[1].data))  # stable: plan order otherwise
+            found.append((p, param))
+        # Replaced (or its tie was broken): its data gets its own host copy. The sort is stable.
+        replaced = sorted((entry for entry in found if self._replaced(*entry)),
+                          key=lambda entry: not self._host.in_a_block(entry[1].data))
         for p, param in replaced:
             if self._replaced(p, param):  # asked again: a tie's data is its primary's, re-copied a moment ago
                 param.data = resync_data(self._plan, p, param.data, self._host, self._rt)
-        for p in self._plan.offloaded_params:
-            param = find_parameter(self._layers[p.layer], p.name)
-            if param is not None:
-                actual[(p.layer, p.name)] = current_spec(p, param.data)
+        for p, param in found:
+            actual[(p.layer, p.name)] = current_spec(p, param.data)
         return actual
 
     def _replaced(self, p: ParamPlan, param: nn.Parameter) -> bool:
