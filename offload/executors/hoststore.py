@@ -131,8 +131,7 @@ class HostStore:
 
     def in_block(self, ref: Ref) -> bool:
         """Whether `ref`'s copy is a member of a block."""
-        host = self._copies.get(ref)
-        return host is not None and host.numel() > 0 and host.data_ptr() in self._member
+        return self.block_of(ref) is not None
 
     def block_of(self, ref: Ref) -> tuple[torch.Tensor, int] | None:
         """(flat view of the block, byte offset) of `ref`'s copy, when it is a member of a block."""
