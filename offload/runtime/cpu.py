@@ -163,11 +163,8 @@ class CpuRuntime:
         """Copy now (the span's bytes, as `CudaRuntime` copies them): on the CPU every
         earlier event has already happened. Timed (see `copy_seconds`)."""
         start = time.perf_counter_ns()
-        if src.is_contiguous():  # the common case: one memcpy, without building the chunk list
-            dst.copy_(src)
-        else:
-            for d, s in span_chunks(dst, src):
-                d.copy_(s)
+        for d, s in span_chunks(dst, src):
+            d.copy_(s)
         self._copy_ns += time.perf_counter_ns() - start
         return CpuEvent(next(self._counter))
 
