@@ -10,9 +10,10 @@ Host-to-device copies move the source's byte span, one memcpy per registered pie
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib.util
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import torch
@@ -193,18 +194,26 @@ class CudaRuntime:
         return allocation.tensor, list(allocation.members)
 
     def _pinned_block(self, layouts: Sequence[Layout], method: PinMethod) -> HostAllocation | None:
-        """The page-locked block, or None after a logged and counted fallback."""
+        """The page-locked block, or None after a fallback (`_page_locked`)."""
+        return self._page_locked(method, len(layouts), functools.partial(register_host_block, layouts),
+                                 functools.partial(alloc_host_block, layouts))
+
+    def _page_locked(self, method: PinMethod, count: int, register: Callable[..., HostAllocation],
+                     alloc: Callable[..., HostAllocation]) -> HostAllocation | None:
+        """`register` (`PinMethod.REGISTER`) or `alloc` (`PinMethod.ALLOC`) called with this
+        runtime's CUDA calls; None when that fails: `count` host copies fall back to pageable
+        memory (counted; the first fallback is logged)."""
         self._drain()
         calls = self._calls
         try:
             if method is PinMethod.REGISTER:
-                return register_host_block(layouts, register=calls.register, unregister=calls.unregister,
-                                           piece_bytes=self._piece_bytes,
-                                           place=self._placer.place if self._placer is not None else None)
-            return alloc_host_block(layouts, alloc=calls.alloc, free=calls.free)
+                return register(register=calls.register, unregister=calls.unregister, piece_bytes=self._piece_bytes,
+                                place=self._placer.place if self._placer is not None else None)
+            return alloc(alloc=calls.alloc, free=calls.free)
         except (HostRegisterError, OSError) as exc:
-            self._fallbacks += len(layouts)
-            if self._fallbacks == len(layouts):
+            first = self._fallbacks == 0
+            self._fallbacks += count
+            if first:
                 log.warning("pinning host memory (%s) failed (%s); this and later failures fall back to "
                             "pageable memory, which is slower and cannot be captured in CUDA graphs",
                             method.value, exc)
@@ -251,21 +260,10 @@ class CudaRuntime:
     def _pinned_empty_like(self, tensor: torch.Tensor, method: PinMethod) -> torch.Tensor:
         if tensor.numel() == 0:
             return host_empty_like(tensor)  # no memory to lock
-        self._drain()
-        shape, stride, calls = tuple(tensor.shape), tuple(tensor.stride()), self._calls
-        try:
-            if method is PinMethod.REGISTER:
-                locked = register_host_tensor(shape, stride, tensor.dtype, register=calls.register,
-                                              unregister=calls.unregister, piece_bytes=self._piece_bytes,
-                                              place=self._placer.place if self._placer is not None else None)
-            else:
-                locked = alloc_host_tensor(shape, stride, tensor.dtype, alloc=calls.alloc, free=calls.free)
-        except (HostRegisterError, OSError) as exc:
-            self._fallbacks += 1
-            if self._fallbacks == 1:
-                log.warning("pinning host memory (%s) failed (%s); this and later failures fall back to "
-                            "pageable memory, which is slower and cannot be captured in CUDA graphs",
-                            method.value, exc)
+        layout = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        locked = self._page_locked(method, 1, functools.partial(register_host_tensor, *layout),
+                                   functools.partial(alloc_host_tensor, *layout))
+        if locked is None:
             return host_empty_like(tensor)
         self._locked[locked.tensor.data_ptr()] = locked
         return locked.tensor
