@@ -11,6 +11,9 @@
 - `RegisteredRanges`: what a runtime offers to cut copies where host memory that someone
   else registered (a segment shared between processes, `offload.sharing`) is registered
   in several pieces.
+- `PreparedCopies`: what a runtime offers to work out once how a copy is cut (flat spans,
+  registered pieces) and issue it many times without working it out again (the prefetch
+  backend's every step). A runtime without it gets `Runtime.copy_after` each time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
     from offload.executors.live import LiveCheck
     from offload.stats import OffloadStats
 
-__all__ = ["Event", "HostBlocks", "Offloader", "RegisteredRanges", "Runtime"]
+__all__ = ["Event", "HostBlocks", "Offloader", "PreparedCopies", "RegisteredRanges", "Runtime"]
 
 
 @runtime_checkable
@@ -215,4 +218,26 @@ class RegisteredRanges(Protocol):
 
     def forget_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
         """The range `note_registered` was told of is unregistered: forget it."""
+        ...
+
+
+@runtime_checkable
+class PreparedCopies(Protocol):
+    """Copies worked out once and issued many times (see the module docstring): how a copy
+    is cut depends only on where its two tensors' memory lies, which stays put while an
+    offloader runs, so the prefetch backend asks once, at post_init, and hands the answer
+    back on every step."""
+
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The (destination, source) pairs, each one memcpy, that `Runtime.copy_after`
+        copies `src` into `dst` with; valid while both tensors' memory is."""
+        ...
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: Event | None) -> Event:
+        """`Runtime.copy_after` of the copy `chunks` came from (`copy_chunks`): queued on
+        the copy stream once `after` has happened, timed alike.
+
+        Returns:
+            An event that happens when every pair is copied.
+        """
         ...

@@ -62,7 +62,7 @@ from offload.executors.moving import (
     unmark,
 )
 from offload.executors.telemetry import StepLog
-from offload.protocols import Event, Runtime
+from offload.protocols import Event, PreparedCopies, Runtime
 from offload.pure.blocks import Span, merge_spans, slot_arenas
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan
@@ -74,6 +74,8 @@ from offload.stats import OffloadStats
 __all__ = ["PrefetchOffloader"]
 
 log = logging.getLogger(__name__)
+
+Chunks = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # one copy: its (destination, source) memcpys
 
 
 @final
@@ -104,7 +106,10 @@ class PrefetchOffloader:
         self._restorer: Restorer | None = None
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
-        self._copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # position -> (buffer, host)
+        # position -> its copies, each as the runtime cuts it (`PreparedCopies`, worked out
+        # at post_init) or as one (buffer, host) pair for `copy_after`; `_copy` issues one.
+        self._copies: list[list[Chunks]] = []
+        self._copy: Callable[[Chunks, Event | None], Event] = self._copy_after
         # position -> (parameter, its buffer's data pointer and dtype), checked before each run
         self._bound: list[list[tuple[nn.Parameter, int, torch.dtype]]] = []
         self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
@@ -280,6 +285,22 @@ class PrefetchOffloader:
                            src_flat[first.src_offset:first.src_offset + size]))
         return merged
 
+    def _prepared(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Chunks]:
+        """A position's copies as `_issue` hands them to `_copy`: cut once by a runtime
+        with `PreparedCopies`, else each its (buffer, host) pair for `copy_after`."""
+        rt = self._rt
+        if isinstance(rt, PreparedCopies):
+            self._copy = rt.copy_chunks_after
+            return [rt.copy_chunks(buffer, host) for buffer, host in copies]
+        self._copy = self._copy_after
+        return [((buffer, host),) for buffer, host in copies]
+
+    def _copy_after(self, chunks: Chunks, after: Event | None) -> Event:
+        """`Runtime.copy_after` of the one (buffer, host) pair in `chunks` (a runtime
+        without `PreparedCopies`)."""
+        ((buffer, host),) = chunks
+        return self._rt.copy_after(buffer, host, after)
+
     def _allocate_and_start(self, plan: OffloadPlan) -> None:
         """Allocate the static buffers, point parameters at their slots, issue the first copies."""
         arenas = self._allocate_arenas(plan)
@@ -318,7 +339,7 @@ class PrefetchOffloader:
             copies[position_of[p.layer]].append((buffer, self._host_of(owner), owner))
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
         self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host, _ in layer) for layer in copies]
-        self._copies = [self._merged(layer, arenas) for layer in copies]
+        self._copies = [self._prepared(self._merged(layer, arenas)) for layer in copies]
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
 
@@ -427,10 +448,10 @@ class PrefetchOffloader:
     def _issue(self, position: int, after: Event, *, in_capture: bool) -> None:
         done: Event = after
         first = True
-        copies = self._copies[position]
+        copy = self._copy
         try:
-            for buffer, host in copies:
-                done = self._rt.copy_after(buffer, host, after if first else None)
+            for chunks in self._copies[position]:
+                done = copy(chunks, after if first else None)
                 first = False
                 self._copies_issued += 1
         except BaseException as exc:

@@ -162,8 +162,17 @@ class CpuRuntime:
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> CpuEvent:
         """Copy now (the span's bytes, as `CudaRuntime` copies them): on the CPU every
         earlier event has already happened. Timed (see `copy_seconds`)."""
+        return self.copy_chunks_after(self.copy_chunks(dst, src), after)
+
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """How `copy_after` copies `src` into `dst` (`span_chunks`: one pair; flat byte
+        views where `src` is not dense), for `copy_chunks_after` (`PreparedCopies`)."""
+        return tuple(span_chunks(dst, src))
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: object) -> CpuEvent:
+        """Copy `chunks` (from `copy_chunks`) now, timed, as `copy_after` does."""
         start = time.perf_counter_ns()
-        for d, s in span_chunks(dst, src):
+        for d, s in chunks:
             d.copy_(s)
         self._copy_ns += time.perf_counter_ns() - start
         return CpuEvent(next(self._counter))

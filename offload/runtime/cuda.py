@@ -367,6 +367,17 @@ class CudaRuntime:
 
         Outside a capture the copy is bracketed by two timing events on the copy stream
         (the done event is the second), added up by `copy_seconds`."""
+        return self.copy_chunks_after(self.copy_chunks(dst, src), after)
+
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """How `copy_after` copies `src` into `dst`: one memcpy per registered piece its
+        span crosses (`PreparedCopies`; valid while `src`'s registration is)."""
+        return tuple(self._chunks(dst, src))
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                          after: object) -> torch.cuda.Event:
+        """Queue `chunks` (from `copy_chunks`) on the side stream after `after`, timed as
+        `copy_after` is; return the done event."""
         stream = self._copy_stream
         if after is not None:
             if not isinstance(after, torch.cuda.Event):
@@ -377,7 +388,7 @@ class CudaRuntime:
         if start is not None:
             start.record(stream)
         with torch.cuda.stream(stream):
-            for d, s in self._chunks(dst, src):
+            for d, s in chunks:
                 d.copy_(s, non_blocking=True)
         done = torch.cuda.Event(enable_timing=timed)  # type: ignore[no-untyped-call]  # as above
         done.record(stream)
