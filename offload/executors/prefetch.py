@@ -383,6 +383,7 @@ class PrefetchOffloader:
         names = tuple(p.name for p in self._plan.offloaded_params if p.layer == layer)
         compiled = self._compiled_forward(layer, forward, names)
         is_compiling = torch.compiler.is_compiling
+        is_capturing_ = self._rt.is_capturing
 
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
             # Eager: the executor is called directly (the custom ops, their dispatch and
@@ -398,9 +399,16 @@ class PrefetchOffloader:
                 with torch.profiler.record_function(f"offload.copy after layer {layer}"):
                     self.start_after_layer(layer)
                 return out
-            self.wait_layer(layer)
+            # wait_layer and start_after_layer, with the position and the capture state
+            # looked up once for both (a capture does not begin or end inside a layer).
+            position = self._position(layer)
+            if position is None:
+                return forward(*args, **kwargs)
+            capturing = is_capturing_()
+            self._wait_at(position, capturing)
             out = forward(*args, **kwargs)
-            self.start_after_layer(layer)
+            if not self._recovering:
+                self._start_at(position, capturing)
             return out
 
         return offloaded_forward
@@ -495,13 +503,15 @@ class PrefetchOffloader:
         """Before `layer` runs: make the compute stream wait for its weights' copy (called
         by the custom op). Nothing to do for a layer the revised plan no longer offloads."""
         position = self._position(layer)
-        if position is None:
-            return
+        if position is not None:
+            self._wait_at(position, self._rt.is_capturing())
+
+    def _wait_at(self, position: int, capturing: bool) -> None:
+        """`wait_layer` of the layer at schedule `position`, `capturing` as the runtime says."""
         if position == 0:
             self._steps += 1
             if self._step_log.active:
                 self._step_log.step(self._steps, self.stats)
-        capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
         for param, pointer, dtype in self._bound[position]:
@@ -519,7 +529,9 @@ class PrefetchOffloader:
             try:
                 self._rt.wait(done)
             except BaseException as exc:
-                raise_as_execution_error(exc, f"waiting for offloaded layer {layer}'s weights failed", "forward")
+                raise_as_execution_error(
+                    exc, f"waiting for offloaded layer {self._plan.offloaded_layers[position]}'s weights failed",
+                    "forward")
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
 
@@ -583,12 +595,14 @@ class PrefetchOffloader:
         """After `layer` ran: issue the copy the schedule names next (called by the op);
         nothing while the schedule is being realigned."""
         position = self._position(layer)
-        if position is None or self._recovering:
-            return
+        if position is not None and not self._recovering:
+            self._start_at(position, self._rt.is_capturing())
+
+    def _start_at(self, position: int, capturing: bool) -> None:
+        """`start_after_layer` of the layer at schedule `position` (not while realigning)."""
         target = self._next_after[position]
         if target is None:
             return
-        capturing = self._rt.is_capturing()
         if capturing:
             self._check_capturable()
         self._issue(target, self._record(), in_capture=capturing)
