@@ -11,9 +11,12 @@ Contenders, each set up once per stack on its own copy of the model (``wrap_modu
 - ``resident``: the model as is (the baseline);
 - ``copies-only``: the resident model plus, before each layer, a plain ``copy_`` of each
   of its weights into a buffer of its own (from pinned host memory on CUDA): the floor of
-  moving the bytes on this device, which every offloader that copies pays. The targets
-  are checked against the total overhead; the overhead beyond this floor is what our
-  Python adds, and is printed beside it;
+  moving the bytes one copy per parameter, which every offloader that copies them so
+  pays (``prefetch-each``'s floor);
+- ``copies-merged``: the same with all of a layer's weights in one host tensor, copied in
+  one ``copy_`` into one buffer: the floor of the copies ``prefetch-d1`` / ``-d2`` make.
+  The targets are checked against the total overhead; the overhead beyond the matching
+  floor is what our Python adds, and is printed beside it;
 - ``prefetch-d1`` / ``prefetch-d2``: the prefetch backend, every layer offloaded
   (group_size 1, num_in_group 1), prefetch_step 1 and 2, each layer one copy
   (``layer_blocks="always"``: on the CPU every weight is adopted in place, and "auto"
@@ -216,7 +219,8 @@ def _placements(plan: OffloadPlan) -> dict[Placement, int]:
 
 def setup_contenders(resident: Stack, env: EnvSnapshot, device: torch.device) -> tuple[list[Contender], list[str]]:
     """Every contender for `resident`, set up once, and lines describing their plans."""
-    contenders = [Contender("resident", "resident", resident), _copies_only(resident, device)]
+    contenders = [Contender("resident", "resident", resident), _copies_only(resident, device),
+                  _copies_only(resident, device, merged=True)]
     notes: list[str] = []
     runs: tuple[tuple[str, int, LayerBlocks], ...] = (("prefetch-d1", 1, "always"), ("prefetch-d2", 2, "always"),
                                                       ("prefetch-each", 1, "never"))
@@ -263,14 +267,25 @@ def setup_contenders(resident: Stack, env: EnvSnapshot, device: torch.device) ->
     return contenders, notes
 
 
-def _copies_only(resident: Stack, device: torch.device) -> Contender:
+def _host_bytes(tensors: Sequence[torch.Tensor], cuda: bool) -> torch.Tensor:
+    """`tensors`' bytes back to back in one flat host tensor (pinned on CUDA)."""
+    flat = torch.cat([t.detach().cpu().reshape(-1).view(torch.uint8) for t in tensors])
+    return flat.pin_memory() if cuda else flat
+
+
+def _copies_only(resident: Stack, device: torch.device, *, merged: bool = False) -> Contender:
     """The resident stack with each layer's weights copied, as plainly as Python can,
-    into buffers of their own before the layer runs (see the module docstring)."""
+    before the layer runs (see the module docstring): each into a buffer of its own, or,
+    `merged`, all of them in one copy from one host tensor into one buffer."""
     model = copy.deepcopy(resident)
     cuda = device.type == "cuda"
     for layer in model.layers:
-        pairs = [(torch.empty_like(p), p.detach().cpu().pin_memory() if cuda else p.detach().clone())
-                 for p in layer.parameters()]
+        if merged:
+            src = _host_bytes(list(layer.parameters()), cuda)
+            pairs = [(torch.empty_like(src, device=device), src)]
+        else:
+            pairs = [(torch.empty_like(p), p.detach().cpu().pin_memory() if cuda else p.detach().clone())
+                     for p in layer.parameters()]
         forward = layer.forward
 
         def copying(*args: object, forward: Callable[..., object] = forward,
@@ -280,7 +295,7 @@ def _copies_only(resident: Stack, device: torch.device) -> Contender:
             return forward(*args, **kwargs)
 
         layer.forward = copying
-    return Contender("copies-only", "floor", model)
+    return Contender("copies-merged" if merged else "copies-only", "floor", model)
 
 
 def _peer(name: str, resident: Stack, apply: Callable[[nn.Module], object]) -> Contender:
@@ -484,12 +499,15 @@ def main(argv: list[str] | None = None) -> int:
                 cell_rows, overhead = report(spec, mode, contenders)
                 rows += cell_rows
                 target = TARGET_US[spec.params_per_layer]
-                floor = overhead["copies-only"]
+                floor, each = overhead["copies-merged"], overhead["copies-only"]
                 targets.append(f"{spec.name} {mode}: prefetch overhead per layer / target {target:g} us "
                                f"({spec.params_per_layer} parameters per layer): ratio to target "
                                + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] / target:.2f}" for d in (1, 2))
-                               + f"; the copies alone cost {floor:.2f} us per layer, beyond them "
-                               + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] - floor:.2f} us" for d in (1, 2)))
+                               + f"; the copies alone cost {floor:.2f} us per layer in one copy (copies-merged), "
+                               "beyond them "
+                               + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] - floor:.2f} us" for d in (1, 2))
+                               + f"; {each:.2f} us in one copy per parameter (copies-only), beyond them "
+                               f"prefetch-each {overhead['prefetch-each'] - each:.2f} us")
             for line in copies_per_step(contenders, x):
                 print(f"{spec.name}: {line}")
             restore_and_check(contenders, resident)

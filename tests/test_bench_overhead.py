@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import bench_overhead
 
-CONTENDERS = ("resident", "copies-only", "prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand", "diffusers-leaf",
+CONTENDERS = ("resident", "copies-only", "copies-merged", "prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand", "diffusers-leaf",
               "diffusers-block", "accelerate-cpu")
 STACKS = ("linear32", "llama32")  # what --quick runs
 MODES = ("inference_mode", "no_grad")
@@ -49,7 +49,8 @@ def test_quick_run_prints_a_row_per_stack_mode_and_contender(capsys: pytest.Capt
     for stack in STACKS:
         for mode in MODES:
             assert any(line.startswith(f"{stack} {mode}: prefetch overhead") and "ratio to target" in line
-                       and "the copies alone cost" in line for line in lines), (stack, mode)
+                       and "in one copy (copies-merged)" in line and "(copies-only), beyond them prefetch-each" in line
+                       for line in lines), (stack, mode)
         assert f"{stack}: outputs of prefetch-d1, prefetch-d2, prefetch-each and on-demand equal the resident" in out
         # Every bench layer's weights are dense multiples of 256 bytes: with layer_blocks
         # "always" each layer is one copy; with "never" one per parameter.
