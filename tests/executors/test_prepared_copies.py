@@ -6,11 +6,13 @@ fakes) gets `copy_after` as before."""
 from __future__ import annotations
 
 import copy
+import gc
 from typing import cast
 
 import attrs
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import CpuRuntime, LayerBlocks, OffloadConfig
 from offload.protocols import PreparedCopies
@@ -26,6 +28,7 @@ from tests.executors.test_layer_blocks import activations
 @attrs.define
 class Counts:
     prepared: list[tuple[int, int]] = attrs.field(factory=list)  # (destination, source) data pointers
+    destinations: list[StorageWeakRef] = attrs.field(factory=list)  # the storages the prepared chunks write
     chunk_copies: int = 0
     plain_copies: int = 0
 
@@ -37,7 +40,9 @@ def counting(rt: CpuRuntime, monkeypatch: pytest.MonkeyPatch) -> Counts:
 
     def chunks(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         counts.prepared.append((dst.data_ptr(), src.data_ptr()))
-        return copy_chunks(dst, src)
+        chunks = copy_chunks(dst, src)
+        counts.destinations += [StorageWeakRef(d.untyped_storage()) for d, _ in chunks]  # type: ignore[no-untyped-call]  # unannotated in torch
+        return chunks
 
     def chunks_after(chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: object) -> CpuEvent:
         counts.chunk_copies += 1
@@ -78,6 +83,8 @@ def test_each_copy_is_prepared_once_at_post_init_and_reused_every_step(
     assert counts.chunk_copies == initial + forwards * 5 * per_layer == off.stats().copies_issued
     off.restore()
     assert_restored(model, before, same_storage=False)
+    gc.collect()
+    assert all(ref.expired() for ref in counts.destinations)  # type: ignore[no-untyped-call]  # as above
 
 
 def test_a_runtime_without_prepared_copies_gets_copy_after() -> None:
