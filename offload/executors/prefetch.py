@@ -399,16 +399,16 @@ class PrefetchOffloader:
                 with torch.profiler.record_function(f"offload.copy after layer {layer}"):
                     self.start_after_layer(layer)
                 return out
-            # wait_layer and start_after_layer, with the position and the capture state
-            # looked up once for both (a capture does not begin or end inside a layer).
+            # wait_layer and start_after_layer, with the position looked up once for both.
+            # The capture state is asked each time: a manual capture may begin or end
+            # inside the layer, and the copy issued after it must be tagged as it is.
             position = self._position(layer)
             if position is None:
                 return forward(*args, **kwargs)
-            capturing = is_capturing_()
-            self._wait_at(position, capturing)
+            self._wait_at(position, is_capturing_())
             out = forward(*args, **kwargs)
             if not self._recovering:
-                self._start_at(position, capturing)
+                self._start_at(position, is_capturing_())
             return out
 
         return offloaded_forward

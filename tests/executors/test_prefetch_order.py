@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from offload import ExecutionError, OffloadConfig, PrefetchOffloader
-from tests.executors.fakes import FakeRuntime
+from tests.executors.fakes import Copy, FakeRuntime, Wait
 from tests.executors.helpers import cpu_plan, inputs, pinned_plan, prefetch
-from tests.executors.models import layer_list, transformer_model
+from tests.executors.models import TransformerBlock, layer_list, transformer_model
 
 CONFIGS = [
     OffloadConfig(group_size=1, prefetch_step=2),
@@ -117,3 +117,37 @@ def test_out_of_order_inside_a_capture_is_refused() -> None:
     with pytest.raises(ExecutionError, match="out of order inside a CUDA graph capture") as info:
         model[1](x)
     assert info.value.value == 1
+
+
+def test_a_capture_that_ends_inside_a_layer_leaves_the_next_layer_waiting_for_its_copy() -> None:
+    """Capture state is read when each copy is issued: after a capture ended inside layer
+    1's forward (a manual capture_end in a submodule), the copy issued after layer 1 is an
+    eager one, and layer 2 must wait for it. Copies are deferred until waited on, and all
+    layers share one slot: a layer that skipped the wait would compute with layer 1's
+    weights."""
+    model = transformer_model(4)
+    reference = copy.deepcopy(model)
+    runtime = FakeRuntime(defer=True)
+    off = prefetch(pinned_plan(model, OffloadConfig(group_size=1, prefetch_step=1)), runtime)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert off.plan.schedule.num_slots == 1
+    off.sync_prev_onload()
+
+    def end_capture(module: nn.Module, args: object) -> None:
+        runtime.capturing = False
+
+    block = model[1]
+    assert isinstance(block, TransformerBlock)
+    hook = block.mlp.register_forward_pre_hook(end_capture)
+    x = next(inputs(seed=10))
+    runtime.capturing = True
+    begun = len(runtime.log)
+    with torch.no_grad():
+        out = model(x)
+        want = reference(x)
+    hook.remove()
+    assert torch.equal(out, want)
+    ended = next(i for i, e in enumerate(runtime.log) if isinstance(e, Copy) and not e.capturing and i > begun)
+    assert [e.capturing for e in runtime.log[ended:] if isinstance(e, Wait)] == [False, False]  # layers 2 and 3
+    off.restore()
