@@ -383,7 +383,6 @@ class PrefetchOffloader:
         names = tuple(p.name for p in self._plan.offloaded_params if p.layer == layer)
         compiled = self._compiled_forward(layer, forward, names)
         is_compiling = torch.compiler.is_compiling
-        is_capturing_ = self._rt.is_capturing
 
         def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
             # Eager: the executor is called directly (the custom ops, their dispatch and
@@ -405,10 +404,10 @@ class PrefetchOffloader:
             position = self._position(layer)
             if position is None:
                 return forward(*args, **kwargs)
-            self._wait_at(position, is_capturing_())
+            self._wait_at(position, self._rt.is_capturing())
             out = forward(*args, **kwargs)
             if not self._recovering:
-                self._start_at(position, is_capturing_())
+                self._start_at(position, self._rt.is_capturing())
             return out
 
         return offloaded_forward

@@ -336,6 +336,15 @@ class FakeRuntime:
 
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> FakeEvent:
         """Log the copy; do it now, or queue it when deferring."""
+        return self.copy_chunks_after(self.copy_chunks(dst, src), after)
+
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """`PreparedCopies`: the fake copies each pair whole, so the one pair."""
+        return ((dst, src),)
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: object) -> FakeEvent:
+        """`copy_after` of the pair `copy_chunks` gave: logged, done now or queued."""
+        ((dst, src),) = chunks
         if after is not None and not isinstance(after, FakeEvent):
             raise TypeError(f"not an event of this runtime: {after!r}")
         done = self._event()

@@ -36,6 +36,7 @@ FAULTABLE = (
     "device_empty",
     "copy_to",
     "record",
+    "copy_chunks",
     "copy_after",
     "wait",
     "synchronize",
@@ -178,6 +179,17 @@ class FaultyRuntime:
         """Counted, may fail; else the wrapped `copy_after`."""
         self._count("copy_after")
         return self.inner.copy_after(dst, src, after)
+
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Counted, may fail (post_init prepares each copy); else the wrapped `copy_chunks`."""
+        self._count("copy_chunks")
+        return self.inner.copy_chunks(dst, src)
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: Event | None) -> Event:
+        """The prepared copy: counted and failed as ``copy_after`` (the same fault, a copy
+        that fails); else the wrapped `copy_chunks_after`."""
+        self._count("copy_after")
+        return self.inner.copy_chunks_after(chunks, after)
 
     def wait(self, event: Event) -> None:
         """Counted, may fail; else the wrapped `wait`."""

@@ -1,7 +1,7 @@
 """Copies prepared once (issue 11): a runtime with `PreparedCopies` is asked at post_init
 how each copy is cut (`copy_chunks`), and every step after that issues the prepared
 chunks (`copy_chunks_after`) without working them out again. A runtime without it (the
-fakes) gets `copy_after` as before."""
+wrappers in the tests that do not pass it on) gets `copy_after` as before."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from offload import CpuRuntime, LayerBlocks, OffloadConfig
 from offload.protocols import PreparedCopies
 from offload.runtime.copies import byte_span, span_chunks
 from offload.runtime.cpu import CpuEvent
-from tests.executors.blocks_helpers import linear_stack
-from tests.executors.fakes import Copy, FakeRuntime
+from tests.executors.blocks_helpers import BlockRuntime, linear_stack
+from tests.executors.fakes import Copy
 from tests.executors.helpers import assert_restored, cpu_plan, prefetch, snapshot
 from tests.executors.models import layer_list
 from tests.executors.test_layer_blocks import activations
@@ -90,18 +90,17 @@ def test_each_copy_is_prepared_once_at_post_init_and_reused_every_step(
 def test_a_runtime_without_prepared_copies_gets_copy_after() -> None:
     model = linear_stack(3)
     reference = copy.deepcopy(model)
-    rt = FakeRuntime()
-    assert not isinstance(cast(object, rt), PreparedCopies)
-    off = prefetch(cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=1)), rt)
+    rt = BlockRuntime()  # a wrapper offering HostBlocks, not PreparedCopies
+    assert not isinstance(cast(object, rt), PreparedCopies) and isinstance(rt.inner, PreparedCopies)
+    off = prefetch(cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=1, layer_blocks="never")), rt)
     off.wrap_modules(layer_list(model))
     off.post_init()
-    issued = sum(isinstance(entry, Copy) for entry in rt.log)
-    assert issued == 2  # the first layer's two parameters, issued by post_init
+    assert len(rt.copies) == 2  # copy_after: the first layer's two parameters, issued by post_init
     with torch.no_grad():
         for x in activations():
             assert torch.equal(model(x), reference(x))
-    copies = sum(isinstance(entry, Copy) for entry in rt.log)
-    assert copies - issued == 4 * 3 * 2  # forwards x layers x parameters
+    assert len(rt.copies) - 2 == 4 * 3 * 2  # forwards x layers x parameters
+    assert sum(isinstance(entry, Copy) for entry in rt.inner.log) == len(rt.copies)
     off.restore()
 
 

@@ -93,6 +93,13 @@ class RecordingCudaRuntime:
     def copy_after(self, dst: torch.Tensor, src: torch.Tensor, after: object) -> torch.cuda.Event:
         return self._cuda.copy_after(dst, src, after)
 
+    def copy_chunks(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return self._cuda.copy_chunks(dst, src)
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                          after: object) -> torch.cuda.Event:
+        return self._cuda.copy_chunks_after(chunks, after)
+
     def wait(self, event: object) -> None:
         self._cuda.wait(event)
 
