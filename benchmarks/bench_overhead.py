@@ -35,8 +35,10 @@ Each (stack, grad mode) cell warms every contender up, then runs rounds: in each
 every contender runs one forward, timed alone with ``time.perf_counter_ns`` (CUDA
 synchronised before and after), in an order rotated round by round, so drift hits all
 alike. The garbage collector is off while timing. Per contender: median and minimum
-forward time; overhead per layer = (contender - resident) / layers, from the medians and
-from the minima of the same cell. Grad modes: ``torch.inference_mode()`` and
+forward time; overhead per layer = (contender - resident) / layers, as the median over
+rounds of the contender's time less the resident time of the same round (paired, so
+that a burst of load on a shared machine, which lasts longer than a round, hits both),
+and from the minima of the cell. Grad modes: ``torch.inference_mode()`` and
 ``torch.no_grad()`` (the model is ``requires_grad_(False)`` in both). Outputs of our
 contenders must equal the resident output bit for bit, and restore must give back the
 resident weights: otherwise the run stops with an error saying what differed.
@@ -426,7 +428,7 @@ def copies_per_step(contenders: Sequence[Contender], x: torch.Tensor) -> list[st
 def report(spec: StackSpec, mode: str, contenders: Sequence[Contender]) -> tuple[list[str], dict[str, float]]:
     """Table rows for one cell, and the median-based overhead per layer of each live contender."""
     base = contenders[0]
-    base_med, base_min = statistics.median(base.times_ns), min(base.times_ns)
+    base_min = min(base.times_ns)
     overhead: dict[str, float] = {}
     mins: dict[str, float] = {}
     medians: dict[str, float] = {}
@@ -434,7 +436,10 @@ def report(spec: StackSpec, mode: str, contenders: Sequence[Contender]) -> tuple
         if c.model is None:
             continue
         medians[c.name] = statistics.median(c.times_ns)
-        overhead[c.name] = _us(medians[c.name] - base_med) / spec.layers
+        # Paired: each round's time less the resident time of the same round (they ran
+        # next to each other), so that a burst of load on the machine hits both.
+        paired = [t - r for t, r in zip(c.times_ns, base.times_ns, strict=True)]
+        overhead[c.name] = _us(statistics.median(paired)) / spec.layers
         mins[c.name] = _us(min(c.times_ns) - base_min) / spec.layers
     rows = []
     for c in contenders:
