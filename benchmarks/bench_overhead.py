@@ -24,6 +24,10 @@ Contenders, each set up once per stack on its own copy of the model (``wrap_modu
   one copy per layer). The copies per step are checked and printed;
 - ``prefetch-each``: prefetch_step 1 with ``layer_blocks="never"``: one copy per
   parameter, as before layers were copied in one go;
+- ``prefetch-copy-off``: ``prefetch-d1`` on a runtime whose copies are switched off after
+  the warm-up (`benchmarks.copies_off`): what our Python costs without the copy, as issue
+  11's baseline was measured (12 us under inference_mode, 14 under no_grad, FACTS.md). A
+  diagnostic: its outputs are wrong by design and not checked;
 - ``on-demand``: the UVA backend with every parameter placed ``on_demand`` (what it
   plans without CUDA; on CUDA the run turns UVA off for this contender so that it does);
   the placements are checked and printed;
@@ -69,6 +73,7 @@ import attrs
 import torch
 from torch import nn
 
+from benchmarks.copies_off import CopiesOff
 from offload import (
     EnvSnapshot,
     LayerBlocks,
@@ -81,12 +86,17 @@ from offload import (
     describe_layers,
     make_plan,
 )
+from offload.create import default_runtime
 from offload.protocols import Offloader
 
 HIDDEN = 64
 INNER = 128
 TOKENS = 4
 TARGET_US = {2: 12.0, 9: 30.0}  # prefetch overhead target per layer, by parameters per layer
+# Issue 11's baseline (FACTS.md): 32 x Linear(64, 64), custom ops replaced by direct calls,
+# copy switched off, per layer per forward.
+BASELINE_US = {"inference_mode": 12.0, "no_grad": 14.0}
+BASELINE_STACK = "linear32"
 PEERS = ("diffusers-leaf", "diffusers-block", "accelerate-cpu")
 OURS = ("prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand")
 GRAD_MODES: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {
@@ -178,9 +188,10 @@ class Contender:
     """One way of running the stack: its model copy, and for ours the offloader."""
 
     name: str
-    kind: str  # "resident", "ours" or "peer"
+    kind: str  # "resident", "floor", "ours", "diagnostic" or "peer"
     model: nn.Module | None  # None: not available (see `note`)
     offloader: Offloader | None = None
+    copies_off: CopiesOff | None = None  # the diagnostic's runtime, switched off after the first warm-up
     note: str = ""
     times_ns: list[int] = attrs.field(factory=list)
     last_output: torch.Tensor | None = None
@@ -202,14 +213,16 @@ def _cpu_env(env: EnvSnapshot) -> EnvSnapshot:
                                                host_available_bytes=env.platform.host_available_bytes))
 
 
-def _ours(name: str, resident: Stack, config: OffloadConfig, env: EnvSnapshot) -> tuple[Contender, OffloadPlan]:
+def _ours(name: str, resident: Stack, config: OffloadConfig, env: EnvSnapshot, *,
+          copies_off: bool = False) -> tuple[Contender, OffloadPlan]:
     model = copy.deepcopy(resident)
     layers = list(model.layers)
     plan = make_plan(describe_layers(layers), config, env)
-    offloader = create_offloader(plan)
+    runtime = CopiesOff(default_runtime(plan)) if copies_off else None
+    offloader = create_offloader(plan, runtime)
     offloader.wrap_modules(layers)
     offloader.post_init()
-    return Contender(name, "ours", model, offloader), plan
+    return Contender(name, "diagnostic" if copies_off else "ours", model, offloader, copies_off=runtime), plan
 
 
 def _placements(plan: OffloadPlan) -> dict[Placement, int]:
@@ -233,6 +246,9 @@ def setup_contenders(resident: Stack, env: EnvSnapshot, device: torch.device) ->
         if counts.get(Placement.PREFETCH, 0) != len(plan.params):
             raise RuntimeError(f"{contender.name}: the plan does not prefetch every parameter: {counts}")
         contenders.append(contender)
+    contender, _ = _ours("prefetch-copy-off", resident, OffloadConfig(group_size=1, num_in_group=1, prefetch_step=1,
+                                                                      layer_blocks="always"), env, copies_off=True)
+    contenders.append(contender)
     nbytes = sum(p.numel() * p.element_size() for p in resident.parameters())
     # Without CUDA the UVA backend places everything on_demand by itself; on CUDA, UVA is
     # turned off for this contender so that it does.
@@ -328,8 +344,9 @@ def restore_and_check(contenders: Sequence[Contender], resident: nn.Module) -> N
 
 
 def _check_output(c: Contender, output: torch.Tensor, expected: torch.Tensor, where: str) -> None:
-    """Ours must match bit for bit (else raise); a peer that does not gets a note on its row."""
-    if torch.equal(output, expected):
+    """Ours must match bit for bit (else raise); a peer that does not gets a note on its row;
+    the diagnostic is not checked (its copies are switched off)."""
+    if c.kind == "diagnostic" or torch.equal(output, expected):
         return
     diff = (output.float() - expected.float().to(output.device)).abs().max().item()
     if c.kind == "ours":
@@ -370,6 +387,8 @@ def measure(contenders: Sequence[Contender], x: torch.Tensor, device: torch.devi
             c.model, c.note = None, f"failed in forward: {type(exc).__name__}: {exc}".splitlines()[0]
             continue
         _check_output(c, out, expected, "after warm-up")
+        if c.copies_off is not None:
+            c.copies_off.switch_off()  # every slot has held real weights by now
     live = [c for c in contenders if c.model is not None]
     cuda = device.type == "cuda"
     if cuda:
@@ -414,7 +433,7 @@ def copies_per_step(contenders: Sequence[Contender], x: torch.Tensor) -> list[st
     stats, before and after), beside its offloaded layers."""
     lines = []
     for c in contenders:
-        if c.offloader is None or c.model is None or not c.name.startswith("prefetch"):
+        if c.offloader is None or c.model is None or c.kind != "ours" or not c.name.startswith("prefetch"):
             continue
         before = c.offloader.stats().copies_issued
         with torch.inference_mode():
@@ -512,7 +531,10 @@ def main(argv: list[str] | None = None) -> int:
                                "beyond them "
                                + ", ".join(f"d{d} {overhead[f'prefetch-d{d}'] - floor:.2f} us" for d in (1, 2))
                                + f"; {each:.2f} us in one copy per parameter (copies-only), beyond them "
-                               f"prefetch-each {overhead['prefetch-each'] - each:.2f} us")
+                               f"prefetch-each {overhead['prefetch-each'] - each:.2f} us; with the copy switched off "
+                               f"d1 {overhead['prefetch-copy-off']:.2f} us"
+                               + (f" (issue 11's baseline: {BASELINE_US[mode]:g} us)" if spec.name == BASELINE_STACK
+                                  else ""))
             for line in copies_per_step(contenders, x):
                 print(f"{spec.name}: {line}")
             restore_and_check(contenders, resident)

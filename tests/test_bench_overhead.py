@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks import bench_overhead
 
-CONTENDERS = ("resident", "copies-only", "copies-merged", "prefetch-d1", "prefetch-d2", "prefetch-each", "on-demand", "diffusers-leaf",
-              "diffusers-block", "accelerate-cpu")
+CONTENDERS = ("resident", "copies-only", "copies-merged", "prefetch-d1", "prefetch-d2", "prefetch-each",
+              "prefetch-copy-off", "on-demand", "diffusers-leaf", "diffusers-block", "accelerate-cpu")
 STACKS = ("linear32", "llama32")  # what --quick runs
 MODES = ("inference_mode", "no_grad")
 
@@ -50,6 +50,7 @@ def test_quick_run_prints_a_row_per_stack_mode_and_contender(capsys: pytest.Capt
         for mode in MODES:
             assert any(line.startswith(f"{stack} {mode}: prefetch overhead") and "ratio to target" in line
                        and "in one copy (copies-merged)" in line and "(copies-only), beyond them prefetch-each" in line
+                       and "with the copy switched off d1" in line
                        for line in lines), (stack, mode)
         assert f"{stack}: outputs of prefetch-d1, prefetch-d2, prefetch-each and on-demand equal the resident" in out
         # Every bench layer's weights are dense multiples of 256 bytes: with layer_blocks
