@@ -285,15 +285,15 @@ class PrefetchOffloader:
                            src_flat[first.src_offset:first.src_offset + size]))
         return merged
 
-    def _prepared(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Chunks]:
-        """A position's copies as `_issue` hands them to `_copy`: cut once by a runtime
-        with `PreparedCopies`, else each its (buffer, host) pair for `copy_after`."""
+    def _prepared(self, copies: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[list[Chunks]]:
+        """Each position's copies as `_issue` hands them to `_copy` (set here): cut once by
+        a runtime with `PreparedCopies`, else each its (buffer, host) pair for `copy_after`."""
         rt = self._rt
         if isinstance(rt, PreparedCopies):
             self._copy = rt.copy_chunks_after
-            return [rt.copy_chunks(buffer, host) for buffer, host in copies]
+            return [[rt.copy_chunks(buffer, host) for buffer, host in layer] for layer in copies]
         self._copy = self._copy_after
-        return [((buffer, host),) for buffer, host in copies]
+        return [[((buffer, host),) for buffer, host in layer] for layer in copies]
 
     def _copy_after(self, chunks: Chunks, after: Event | None) -> Event:
         """`Runtime.copy_after` of the one (buffer, host) pair in `chunks` (a runtime
@@ -339,7 +339,7 @@ class PrefetchOffloader:
             copies[position_of[p.layer]].append((buffer, self._host_of(owner), owner))
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
         self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host, _ in layer) for layer in copies]
-        self._copies = [self._prepared(self._merged(layer, arenas)) for layer in copies]
+        self._copies = self._prepared([self._merged(layer, arenas) for layer in copies])
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
 
