@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from offload.pure._fit_table import Expanded, LayerSet, Table, buffer_bytes, expand
+from offload.pure._fit_table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes
 from offload.pure.config import OffloadConfig
 from offload.pure.estimate import simulate_prefetch
 from offload.pure.schedule import PrefetchSchedule, schedule_prefetch
@@ -44,7 +44,8 @@ class FitCandidate:
     Attributes:
         config: the configuration (backend explicit).
         step_seconds: predicted steady-state step time.
-        limit_seconds: max(resident compute, offloaded bytes per step / pinned rate).
+        limit_seconds: max(resident compute, offloaded bytes per step / pinned rate); the
+            bytes of layers loaded once (alone in their slot) are not per step.
         resident_bytes: weights that stay in device memory.
         buffer_bytes: static prefetch buffers in device memory.
         transient_bytes: the largest layer's on-demand copy (0 unless UVA falls back).
@@ -144,7 +145,9 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
     config = OffloadConfig(backend="prefetch", group_size=ls.group_size, num_in_group=ls.num_in_group,
                            prefetch_step=depth, param_filter=table.segments)
     rate = table.copy_rate
-    return _candidate(table, config, busy=table.compute, offloaded_bytes=sum(expanded.copy_bytes),
+    # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
+    per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth)
+    return _candidate(table, config, busy=table.compute, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
                       copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
                       positions=expanded.positions, schedule=_schedule(len(expanded.positions), depth))

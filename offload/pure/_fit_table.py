@@ -6,13 +6,15 @@ select (eligible storages, ties, buffer keys) and the byte totals it would repor
 hold the two equal). A `LayerSet` is what one (group size, number in group) pair
 offloads, with a lower bound on its step and on its device bytes from prefix sums; an
 `Expanded` set spells out its schedule positions and buffer keys to cost each depth.
+Prefetch never offloads a storage tied across layers (`offload.pure.select`: one
+Parameter cannot point at two layers' buffers), so no layer set holds one; UVA may.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -24,7 +26,17 @@ from offload.pure.profiles import DeviceProfile
 from offload.pure.select import is_on_compute_device
 from offload.pure.spec import ModelSpec, ParamSpec
 
-__all__ = ["Cross", "Expanded", "Key", "LayerSet", "Table", "buffer_bytes", "build_table", "expand", "layer_sets"]
+__all__ = [
+    "Expanded",
+    "Key",
+    "LayerSet",
+    "Table",
+    "buffer_bytes",
+    "build_table",
+    "expand",
+    "kept_bytes",
+    "layer_sets",
+]
 
 #: Above this many kinds of layer (distinct buffer-key signatures), a layer set's fewest
 #: device bytes leaves the buffers out rather than counting them exactly.
@@ -34,24 +46,18 @@ Key = tuple[str, tuple[int, ...], tuple[int, ...], str]
 
 
 @attrs.frozen(kw_only=True)
-class Cross:
-    """A tied storage of several layers that can be offloaded: only when all of them are."""
-
-    layers: frozenset[int]
-    host_bytes: int
-    members: tuple[tuple[int, Key, int], ...]  # (layer, buffer key, bytes copied for it)
-
-
-@attrs.frozen(kw_only=True)
 class LayerSet:
     """The layers one (group size, number in group) pair offloads, and what bounds it."""
 
     group_size: int
     num_in_group: int
     intervals: tuple[tuple[int, int], ...]  # [start, stop) runs of wanted layers
-    cross: tuple[Cross, ...]  # tied storages offloaded with it
     host_bytes: int
-    bound_seconds: float  # max(resident compute, copy bytes / copy rate): no depth beats it
+    # max(resident compute, fewest bytes copied per step at any depth searched that may fit
+    # / copy rate): no such depth beats it. Layers alone in their slot are loaded once, not
+    # per step (`kept_bytes`), but only deep depths keep any, and each slot takes device
+    # memory (`_most_kept`).
+    bound_seconds: float
     min_device_bytes: int  # a lower bound over depths (exact for a few layer kinds)
 
 
@@ -61,10 +67,9 @@ class Table:
 
     compute: tuple[float, ...]  # resident compute per layer, seconds
     resident_bytes: int  # weights on the compute device with nothing offloaded
-    layer_bytes: tuple[int, ...]  # per layer: offloadable storages confined to it
+    layer_bytes: tuple[int, ...]  # per layer: offloadable storages confined to it (prefetch)
     layer_has: tuple[bool, ...]  # per layer: it has one
     layer_keys: tuple[tuple[tuple[Key, int], ...], ...]  # their buffer keys and slot bytes
-    cross: tuple[Cross, ...]
     uva_groups: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]  # (bytes, ((layer, bytes read), ...))
     pinned: bool
     uva_enabled: bool
@@ -121,7 +126,6 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
     resident = 0
     layer_bytes, layer_has = [0] * num, [False] * num
     keys: list[list[tuple[Key, int]]] = [[] for _ in range(num)]
-    cross: list[Cross] = []
     uva: list[tuple[int, tuple[tuple[int, int], ...]]] = []
     for group in groups:
         first_layer, first = group[0]
@@ -135,17 +139,14 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
                    and (not segments or any(segment_matches(s, p.name) for s in segments)) for _, p in group):
             continue  # never offloaded: ineligible, or a tie only partly eligible
         uva.append((first.nbytes, tuple((i, p.nbytes) for i, p in moved)))
-        if len(moved) == 1:
+        if len(moved) == 1:  # in one layer; one tied across layers stays resident under prefetch
             layer_bytes[first_layer] += first.nbytes
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
-        else:
-            cross.append(Cross(layers=frozenset(i for i, _ in group), host_bytes=first.nbytes,
-                               members=tuple((i, _key(p), p.nbytes) for i, p in moved)))
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
-        layer_keys=tuple(tuple(sorted(set(k))) for k in keys), cross=tuple(cross), uva_groups=tuple(uva),
+        layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside,
     )
@@ -156,8 +157,39 @@ def _prefix_sums(values: Iterable[int]) -> list[int]:
     return list(itertools.accumulate(values, initial=0))
 
 
-def layer_sets(table: Table) -> list[LayerSet]:
-    """Every distinct non-empty set of layers a (group size, number in group) pair offloads."""
+def kept_bytes(copy_bytes: Sequence[int], positions: Sequence[int], depth: int) -> int:
+    """Bytes of the positions alone in their slot at `depth`, which are loaded once and
+    never copied per step: with ``n`` positions and ``s = min(depth, n)`` slots, positions
+    ``n - s .. s - 1`` (none unless ``n < 2s``; see `offload.pure.schedule`).
+
+    Args:
+        copy_bytes: bytes copied for each layer of the model.
+        positions: the offloaded layers, in order.
+        depth: the prefetch depth (>= 1).
+    """
+    n = len(positions)
+    s = min(depth, n)
+    return sum(copy_bytes[positions[i]] for i in range(n - s, s))
+
+
+def _most_kept(table: Table, intervals: tuple[tuple[int, int], ...], max_step: int, room: int) -> int:
+    """The most bytes a layer set's depths 1 .. `max_step` leave alone in a slot
+    (`kept_bytes`) at a depth whose buffers may fit in `room` device bytes. Each of the
+    ``s`` slots holds at least its first owner's whole copy (positions ``0 .. s-1``), so a
+    depth whose first ``s`` positions take more than `room` bytes cannot fit."""
+    positions = [i for a, b in intervals for i in range(a, b) if table.layer_has[i]]
+    n = len(positions)
+    sums = _prefix_sums(table.layer_bytes[i] for i in positions)
+    # Both the kept range n - s .. s - 1 and the first owners grow with s = min(depth, n).
+    for s in range(min(max_step, n), 0, -1):
+        if sums[s] <= room:
+            return sums[s] - sums[n - s] if 2 * s > n else 0
+    return 0
+
+
+def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
+    """Every distinct non-empty set of layers a (group size, number in group) pair offloads,
+    bounded over the depths 1 .. `max_step` the search tries within `budget` device bytes."""
     num = len(table.compute)
     prefix_bytes = _prefix_sums(table.layer_bytes)
     prefix_has = _prefix_sums(table.layer_has)
@@ -172,7 +204,7 @@ def layer_sets(table: Table) -> list[LayerSet]:
     rate = table.copy_rate
     having = [i for i, has in enumerate(table.layer_has) if has]
     everywhere = len(having) == num
-    seen: set[tuple[tuple[object, ...], tuple[Cross, ...]]] = set()
+    seen: set[tuple[object, ...]] = set()
     out: list[LayerSet] = []
     for g in range(1, num + 1):
         for k in range(1, g + 1):
@@ -184,23 +216,25 @@ def layer_sets(table: Table) -> list[LayerSet]:
                 else:
                     runs.append((start, stop))
             intervals = tuple(runs)
-            cross = tuple(c for c in table.cross if all(i % g >= g - k for i in c.layers))
             # Pairs that offload the same storages give the same plan: keep the first. When
             # some layers have nothing to offload, compare the layers that do.
             same = intervals if everywhere else tuple(i for i in having if i % g >= g - k)
-            if (same, cross) in seen:
+            if same in seen:
                 continue
-            seen.add((same, cross))
-            if not cross and not any(prefix_has[b] - prefix_has[a] for a, b in intervals):
+            seen.add(same)
+            count = sum(prefix_has[b] - prefix_has[a] for a, b in intervals)  # schedule positions
+            if not count:
                 continue  # offloads nothing: the same as backend none
             host = sum(prefix_bytes[b] - prefix_bytes[a] for a, b in intervals)
-            copied = host + sum(m[2] for c in cross for m in c.members)
-            host += sum(c.host_bytes for c in cross)
+            copied = host
+            if count < 2 * max_step:
+                # Few enough positions that a deep depth leaves some alone in a slot.
+                copied -= _most_kept(table, intervals, max_step, budget - table.resident_bytes + host - table.fixed_bytes)
             # At least one slot per key present; without an exact count, no buffers at all.
             present = {key: nbytes for sig, ps in prefix_sig.items() if any(ps[b] - ps[a] for a, b in intervals)
                        for key, nbytes in sig}
             buffers = sum(present.values())
-            out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, cross=cross, host_bytes=host,
+            out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, host_bytes=host,
                                 bound_seconds=max(compute, copied / rate),
                                 min_device_bytes=table.resident_bytes - host + buffers + table.fixed_bytes))
     return out
@@ -208,25 +242,17 @@ def layer_sets(table: Table) -> list[LayerSet]:
 
 def expand(table: Table, layer_set: LayerSet) -> Expanded:
     """`layer_set`'s schedule positions, copy bytes per layer, kinds of layer and buffer keys."""
-    copy = list(table.layer_bytes)
-    keys = {i: list(table.layer_keys[i]) for a, b in layer_set.intervals for i in range(a, b) if table.layer_has[i]}
-    for cross in layer_set.cross:
-        for layer, key, nbytes in cross.members:
-            copy[layer] += nbytes
-            keys.setdefault(layer, []).append((key, nbytes))
     wanted = {i for a, b in layer_set.intervals for i in range(a, b)}
-    positions = tuple(sorted(keys))
-    crossed = {layer for cross in layer_set.cross for layer, _, _ in cross.members}
+    positions = tuple(i for a, b in layer_set.intervals for i in range(a, b) if table.layer_has[i])
     kinds: dict[tuple[tuple[Key, int], ...], list[int]] = {}
     for index, layer in enumerate(positions):
-        signature = tuple(sorted(keys[layer])) if layer in crossed else table.layer_keys[layer]
-        kinds.setdefault(signature, []).append(index)
+        kinds.setdefault(table.layer_keys[layer], []).append(index)
     users: dict[Key, tuple[int, list[int]]] = {}
     for number, signature in enumerate(kinds):
         for key, nbytes in signature:
             users.setdefault(key, (nbytes, []))[1].append(number)
     return Expanded(layer_set=layer_set, positions=positions,
-                    copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(copy)),
+                    copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.layer_bytes)),
                     kinds=tuple(tuple(v) for v in kinds.values()),
                     keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()))
 

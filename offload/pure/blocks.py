@@ -38,7 +38,18 @@ from offload.pure.moves import Move
 from offload.pure.plan import BufferPlan, OffloadPlan, Placement
 from offload.pure.spec import ParamSpec
 
-__all__ = ["ALIGN", "Arena", "HostBlock", "Span", "aligned", "host_blocks", "layer_copies", "merge_spans", "slot_arenas"]
+__all__ = [
+    "ALIGN",
+    "Arena",
+    "HostBlock",
+    "Span",
+    "aligned",
+    "copies_per_step",
+    "host_blocks",
+    "layer_copies",
+    "merge_spans",
+    "slot_arenas",
+]
 
 #: The alignment (and size granularity) of every member of a block or an arena, in bytes:
 #: what ``cudaMalloc`` guarantees for a separate allocation.
@@ -221,10 +232,11 @@ def merge_spans(spans: Sequence[Span]) -> list[list[int]]:
 
 
 def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None = None) -> tuple[int, ...]:
-    """How many copies each offloaded layer of a prefetch plan is (in `offloaded_layers`
-    order), laid out as the prefetch executor lays it out: one per buffer a layer owns,
-    less those merged into one (`merge_spans`) because they lie back to back both in the
-    layer's host block and in its slot's arena.
+    """How many copies each offloaded layer of a prefetch plan is each time it is loaded
+    (in `offloaded_layers` order), laid out as the prefetch executor lays it out: one per
+    buffer a layer owns, less those merged into one (`merge_spans`) because they lie back
+    to back both in the layer's host block and in its slot's arena. A layer alone in its
+    slot is loaded once only (`copies_per_step`).
 
     Args:
         plan: a prefetch plan (any other backend: ()).
@@ -256,3 +268,20 @@ def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None
             span = Span(dst=None, dst_offset=0, src=None, src_offset=0, nbytes=p.param.nbytes)
         owned[p.layer].append(span)
     return tuple(len(merge_spans(owned[layer])) for layer in plan.offloaded_layers)
+
+
+def copies_per_step(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None = None) -> tuple[int, ...]:
+    """How many copies each offloaded layer of a prefetch plan makes per steady-state
+    step (in `offloaded_layers` order): its `layer_copies`, or 0 for a layer alone in its
+    slot (`PrefetchSchedule.kept_positions`), which is loaded once when the offloader
+    starts and keeps its slot.
+
+    Args:
+        plan: a prefetch plan (any other backend: ()).
+        moves: as for `layer_copies`.
+
+    Returns:
+        Copies per offloaded layer and step; their sum is what a step copies.
+    """
+    kept = plan.schedule.kept_positions
+    return tuple(0 if i in kept else n for i, n in enumerate(layer_copies(plan, moves)))

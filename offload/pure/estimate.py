@@ -11,7 +11,11 @@ The model, per layer ``l`` of a step:
   plan's schedule says (``initial`` before the first pass, then ``next_after[i]`` right
   after offloaded position ``i`` finishes), run one at a time in issue order, and overlap
   compute. A layer starts when the layer before it has finished and its own copy has
-  landed; the wait is its *stall*.
+  landed; the wait is its *stall*. A layer alone in its slot
+  (`PrefetchSchedule.kept_positions`) is copied once, before the first pass, and keeps
+  its slot: in the steady state it moves nothing and never stalls (copies an old
+  schedule names for it are not issued, `PrefetchSchedule.issued_after`, as the
+  executor does not issue them); its bytes are reported as *loaded once*, not per step.
 - *UVA read*: ``UVA bytes / (pinned rate x zero-copy fraction)``, added to the layer.
 - *on demand*: ``bytes / link rate`` (pinned or pageable per the plan), added to the
   layer; nothing overlaps it.
@@ -19,7 +23,8 @@ The model, per layer ``l`` of a step:
 Passes are simulated with event times until the pass duration repeats (period 1 to 4
 passes), and the steady-state passes are reported, because with circular prefetch the
 first layers of the next step load during this one. The limit a step cannot beat is
-``max(resident compute, offloaded bytes per step / pinned rate)`` (FACTS.md).
+``max(resident compute, offloaded bytes per step / pinned rate)`` (FACTS.md), counting
+the bytes that cross the link every step (layers loaded once are not among them).
 """
 
 from __future__ import annotations
@@ -97,13 +102,17 @@ class LayerEstimate:
     Attributes:
         layer: the layer index.
         compute_seconds: the layer's time with its weights resident.
-        copy_seconds: its prefetch copy's time on the link (overlaps earlier layers).
+        copy_seconds: its prefetch copy's time on the link per step (overlaps earlier
+            layers); 0 for a layer loaded once.
         stall_seconds: time it waited for that copy after the layer before it finished.
         uva_read_seconds: time reading UVA weights through zero-copy views.
         on_demand_seconds: time copying on-demand weights before it runs.
-        copy_bytes: bytes prefetched for it per step.
+        copy_bytes: bytes prefetched for it per step; 0 for a layer loaded once.
         uva_bytes: bytes read through zero-copy views per step.
         on_demand_bytes: bytes copied on demand per step.
+        loaded_once_bytes: bytes prefetched for it once, before the first step, and kept
+            in its slot (it is the only owner of that slot: `PrefetchSchedule.kept_positions`);
+            not moved per step. 0 for every other layer.
     """
 
     layer: int
@@ -115,6 +124,7 @@ class LayerEstimate:
     copy_bytes: int = 0
     uva_bytes: int = 0
     on_demand_bytes: int = 0
+    loaded_once_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -179,8 +189,14 @@ class StepEstimate:
         return sum(layer.on_demand_seconds for layer in self.layers)
 
     @property
+    def loaded_once_bytes(self) -> int:
+        """Bytes of the layers loaded once and kept in their own slots (not per step)."""
+        return sum(layer.loaded_once_bytes for layer in self.layers)
+
+    @property
     def offloaded_bytes_per_step(self) -> int:
-        """Bytes that cross the host link per step (prefetch + UVA + on demand)."""
+        """Bytes that cross the host link per step (prefetch + UVA + on demand); the
+        layers loaded once are not among them."""
         return sum(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes for layer in self.layers)
 
     @property
@@ -242,7 +258,9 @@ def simulate_prefetch(
         busy: per layer, seconds it occupies the compute stream once it starts.
         copy: per offloaded position, seconds its copy occupies the link.
         positions: per offloaded position, its layer index (increasing).
-        schedule: initial copies and `next_after`, as `schedule_prefetch` builds them.
+        schedule: initial copies and `next_after`, as `schedule_prefetch` builds them;
+            the copies simulated are those issued (`PrefetchSchedule.issued_after`: none
+            of a kept position after the initial copies).
 
     Returns:
         (stall seconds per layer averaged over the steady-state period, passes simulated,
@@ -264,6 +282,7 @@ def simulate_prefetch(
     after = sum(busy[positions[-1] + 1:]) if positions else sum(busy)
     own = [busy[layer] for layer in positions]
     ready = [0.0] * len(positions)  # when the copy for a position's next run lands
+    issued_after = schedule.issued_after
     link_free = 0.0
     for first in schedule.initial:
         link_free += copy[first]
@@ -274,7 +293,7 @@ def simulate_prefetch(
     while True:
         started = now
         pass_waits = [0.0] * len(positions)
-        for i, target in enumerate(schedule.next_after):
+        for i, target in enumerate(issued_after):
             now += before[i]
             if ready[i] > now:
                 pass_waits[i] = ready[i] - now
@@ -364,7 +383,9 @@ def _from_loads(
 
     Args:
         compute: resident compute per layer, seconds.
-        copy_bytes, uva_bytes, on_demand_bytes: bytes per layer per step, by placement.
+        copy_bytes: bytes prefetched per layer, each time the layer is copied (a layer
+            alone in its slot is copied once: its bytes become `loaded_once_bytes`).
+        uva_bytes, on_demand_bytes: bytes per layer per step, by placement.
         positions: the offloaded layers in schedule order (``plan.offloaded_layers``).
         schedule: the prefetch schedule over `positions`.
         pinned: whether host copies are pinned (sets the copy rate).
@@ -376,6 +397,8 @@ def _from_loads(
     extra = [u / uva_rate + d / rate for u, d in zip(uva_bytes, on_demand_bytes, strict=True)]
     busy = [c + e for c, e in zip(compute, extra, strict=True)]
     copy = [copy_bytes[layer] / rate for layer in positions]
+    once = {positions[i] for i in schedule.kept_positions}
+    per_step = [0 if layer in once else n for layer, n in enumerate(copy_bytes)]
     passes, period = 1, 1
     if positions:
         stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule)
@@ -392,13 +415,14 @@ def _from_loads(
             LayerEstimate(
                 layer=layer,
                 compute_seconds=compute[layer],
-                copy_seconds=copy_bytes[layer] / rate,
+                copy_seconds=per_step[layer] / rate,
                 stall_seconds=stalls[layer],
                 uva_read_seconds=uva_bytes[layer] / uva_rate,
                 on_demand_seconds=on_demand_bytes[layer] / rate,
-                copy_bytes=copy_bytes[layer],
+                copy_bytes=per_step[layer],
                 uva_bytes=uva_bytes[layer],
                 on_demand_bytes=on_demand_bytes[layer],
+                loaded_once_bytes=copy_bytes[layer] - per_step[layer],
             )
             for layer in range(len(compute))
         ),

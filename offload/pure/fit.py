@@ -23,11 +23,14 @@ equal), with the same step simulation `estimate` uses (`offload.pure._fit_candid
    fitting prefix of parameters (in layer order) is a candidate.
 3. Prefetch: group sizes 1..layers (a larger size repeats a tail run) and 1..size layers
    per group; pairs that offload the same layers are merged (the smallest size wins).
-   For each set of layers a lower bound on its step, max(resident compute, copy bytes /
-   link rate), and its fewest device bytes (depth 1) come from prefix sums; sets that
-   cannot fit are dropped; the rest are simulated in order of that bound and skipped once
-   the bound cannot beat the last runner-up. Depths 1..min(positions, max_prefetch_step)
-   are simulated upward, stopping at the first that reaches the bound.
+   For each set of layers a lower bound on its step, max(resident compute, copy bytes
+   per step / link rate), and its fewest device bytes (depth 1) come from prefix sums;
+   the copy bytes per step leave out the most that a depth which may fit keeps alone in
+   a slot (such layers are loaded once, `offload.pure.schedule`, but each slot holds a
+   whole layer). Sets that cannot fit are dropped; the rest are simulated in order of
+   that bound and skipped once the bound cannot beat the last runner-up. Depths
+   1..min(positions, max_prefetch_step) are simulated upward, stopping at the first that
+   reaches the bound.
 
 Ranking: least predicted step (equal within a relative 1e-9), then fewer host bytes, then
 fewer device bytes, then none < prefetch < uva, then smaller group size, number in group,
@@ -185,7 +188,7 @@ def fit(
     simulated = 0
     if uva is not None:
         offer(uva)
-    sets = layer_sets(table)
+    sets = layer_sets(table, max_step, budget)
     everything = next((s for s in sets if s.group_size == 1), None)  # g=1, k=1: every layer
     if everything is not None:
         expanded = expand(table, everything)

@@ -46,6 +46,16 @@ def _layer_cells(layer: LayerEstimate) -> list[str]:
             format_bytes(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes)]
 
 
+def _loaded_once_lines(step: StepEstimate) -> list[str]:
+    """What the layers alone in their slots load once (nothing when there are none)."""
+    once = step.loaded_once_bytes
+    if not once:
+        return []
+    layers = sum(1 for layer in step.layers if layer.loaded_once_bytes)
+    return [f"loaded once      = {format_bytes(once)} ({once} bytes), {layers} layer{'' if layers == 1 else 's'} "
+            f"alone in {'its slot' if layers == 1 else 'their slots'}: copied before the first step, not per step"]
+
+
 def render_estimate(step: StepEstimate) -> str:
     """The estimate: rates, one row per run of identical layers (times in ms, each
     layer), totals, and the arithmetic of the limit and of the predicted step."""
@@ -74,6 +84,7 @@ def render_estimate(step: StepEstimate) -> str:
         f"resident compute = {format_seconds(step.compute_seconds)} (sum of the compute column)",
         f"link             = {format_bytes(step.offloaded_bytes_per_step)} ({step.offloaded_bytes_per_step} bytes)"
         f" / {_rate(step.pinned_bytes_per_s)} = {format_seconds(step.link_seconds)}",
+        *_loaded_once_lines(step),
         f"limit            = max({format_seconds(step.compute_seconds)}, {format_seconds(step.link_seconds)})"
         f" = {format_seconds(step.limit_seconds)}",
         f"predicted step   = compute {format_seconds(step.compute_seconds)} + stalls "

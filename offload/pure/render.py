@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from offload.pure.admission import HostFit
-from offload.pure.blocks import layer_copies
+from offload.pure.blocks import copies_per_step, layer_copies
 from offload.pure.moves import Move, move_text
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.units import format_bytes
@@ -108,6 +108,22 @@ def _admission_lines(plan: OffloadPlan) -> list[str]:
     return lines
 
 
+def _loaded_once(plan: OffloadPlan, copies: Sequence[int]) -> str:
+    """`` (+N loaded once: layer L has a slot of its own)`` for the layers alone in their
+    slots, which are copied once at the start and not per step; "" when there are none."""
+    kept = sorted(plan.schedule.kept_positions)
+    if not kept:
+        return ""
+    once = sum(copies[i] for i in kept)
+    if len(kept) == 1:
+        who = f"layer {plan.offloaded_layers[kept[0]]} has a slot of its own"
+    elif len(kept) <= 4:
+        who = f"layers {', '.join(str(plan.offloaded_layers[i]) for i in kept)} have slots of their own"
+    else:
+        who = f"{len(kept)} layers have slots of their own"
+    return f" (+{once} loaded once: {who})"
+
+
 def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
     """A readable description of the plan.
 
@@ -134,7 +150,8 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         copies = layer_copies(plan)
         if copies:
             whole = sum(1 for n in copies if n == 1)
-            lines.append(f"copies:   {sum(copies)} per step; {whole} of {len(copies)} offloaded layers are one copy each "
+            lines.append(f"copies:   {sum(copies_per_step(plan))} per step{_loaded_once(plan, copies)}; {whole} of "
+                         f"{len(copies)} offloaded layers are one copy each "
                          f"(layer_blocks {c.layer_blocks}, weights where they are now)")
     if plan.backend is Backend.UVA:
         lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")

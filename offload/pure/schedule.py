@@ -9,6 +9,21 @@ pass. The naive rule ``next = (i + s) mod n`` breaks this when ``n`` is not a mu
 ``s``: with 3 positions and 2 slots, the wrap-around copy of position 0 lands in the slot
 that position 2 is about to read (FACTS.md). Per-chain cycling cannot do that, because a
 copy into a slot is only ever issued right after that slot's current owner has run.
+
+A lone owner is loaded once. A chain of one position (``k + s >= n``, which happens when
+``n < 2s``; every chain when ``n <= s``) has nobody to hand its slot to: the position is
+copied by ``initial`` and keeps its slot, so ``next_after[k]`` is None, and its data stays
+valid across steps without a new copy (`PrefetchSchedule.kept_positions`; it is copied
+again only when its host copy changes, which is the executor's business). A copy that
+``next_after`` names for a kept position is never issued (`PrefetchSchedule.issued_after`):
+schedules written before this rule say ``next_after[k] = k`` for a lone owner, a copy of
+what its slot already holds, and they run and pass unchanged.
+
+The rule `check_schedule` proves, over the copies issued (every ``initial`` copy, then
+`issued_after`): a position may run when its slot holds its own data (copied, possibly in
+an earlier pass, and not overwritten since), never before; no copy overwrites a slot whose
+data was copied for a position that has not run yet; no position is copied twice before
+it runs. So a kept position must be among the ``initial`` copies.
 """
 
 from __future__ import annotations
@@ -51,7 +66,9 @@ class PrefetchSchedule:
         initial: positions copied once at start, in this order, before the first pass.
         slots: ``slots[i]`` is the slot position ``i`` is copied into and read from.
         next_after: ``next_after[i]`` is the position whose copy is issued right after
-            position ``i``'s forward, or None for no copy.
+            position ``i``'s forward, or None for no copy (`schedule_prefetch` gives None
+            after a kept position: its slot has no other owner to fill). A kept position
+            named here is not copied (`issued_after`).
     """
 
     num_slots: int = attrs.field(validator=int_at_least(0, PlanError))
@@ -85,6 +102,30 @@ class PrefetchSchedule:
         """How many offloaded positions the schedule covers."""
         return len(self.slots)
 
+    @property
+    def kept_positions(self) -> frozenset[int]:
+        """The positions that are the only owner of their slot, from `slots` alone.
+
+        Such a position, once its copy has landed, stays valid across steps without a new
+        copy: no other position's copy ever lands in its slot. It is true of any schedule,
+        including one read from a plan written before lone owners were loaded once (those
+        say ``next_after[i] = i``). A kept position is loaded by `initial` only: copies
+        `next_after` names for it are redundant and never issued (`issued_after`).
+        """
+        owners: dict[int, int] = {}
+        for slot in self.slots:
+            owners[slot] = owners.get(slot, 0) + 1
+        return frozenset(i for i, slot in enumerate(self.slots) if owners[slot] == 1)
+
+    @property
+    def issued_after(self) -> tuple[int | None, ...]:
+        """The copies executors issue after each position's forward: `next_after` with
+        every copy of a kept position (`kept_positions`) left out (None). Equal to
+        `next_after` for a schedule `schedule_prefetch` builds; what `check_schedule`
+        proves and `estimate` simulates."""
+        kept = self.kept_positions
+        return tuple(None if target is not None and target in kept else target for target in self.next_after)
+
 
 def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedule:
     """Build the per-chain cycling schedule.
@@ -95,7 +136,10 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedul
             ``min(prefetch_step, num_offloaded)``.
 
     Returns:
-        A schedule that `check_schedule` accepts for every count and step.
+        A schedule that `check_schedule` accepts for every count and step. Its first
+        ``s = min(prefetch_step, num_offloaded)`` positions are copied by ``initial``; a
+        position alone in its slot (``i < s`` and ``i + s >= n``) gets
+        ``next_after[i] = None``: ``initial`` is its only copy.
 
     Raises:
         PlanError: a negative count or a step below 1.
@@ -106,18 +150,23 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedul
     s = min(prefetch_step, n)
     slots = tuple(i % s for i in range(n)) if s else ()
     # The next owner of the slot position i just released: the next position in its chain,
-    # or, past the end of the pass, the chain's first owner (which runs in the next pass).
-    next_after: tuple[int | None, ...] = tuple(i + s if i + s < n else i % s for i in range(n))
+    # or, past the end of the pass, the chain's first owner (which runs in the next pass);
+    # None when i is that first owner itself (a chain of one): it keeps its slot.
+    next_after: tuple[int | None, ...] = tuple(
+        i + s if i + s < n else (None if i < s else i % s) for i in range(n)
+    )
     return PrefetchSchedule(num_slots=s, initial=tuple(range(s)), slots=slots, next_after=next_after)
 
 
 def check_schedule(schedule: PrefetchSchedule) -> None:
     """Prove that a schedule never reads a stale slot nor overwrites a live one.
 
-    Simulates passes until the state at the start of a pass repeats, which covers every
-    later pass. In each pass every position must be copied exactly once before it runs,
-    into a slot no other position still needs: a copy into a slot is refused while the
-    slot's current occupant has been copied and not yet run.
+    Simulates passes of the copies issued (``initial``, then `PrefetchSchedule.issued_after`)
+    until the state at the start of a pass repeats, which covers every later pass. A
+    position may run when its slot holds its own data: copied (possibly in an earlier
+    pass: a lone owner is loaded once, by ``initial``) and not overwritten since. A copy
+    into a slot is refused while the slot's current occupant has been copied and not yet
+    run, and so is a second copy of a position before it has run.
 
     Args:
         schedule: the schedule to check.
@@ -126,9 +175,10 @@ def check_schedule(schedule: PrefetchSchedule) -> None:
         PlanError: naming the first hazard found (the pass, the position and the slot).
     """
     n = schedule.num_positions
+    issued_after = schedule.issued_after
     occupant: dict[int, int] = {}  # slot -> position whose data it holds
-    # Positions copied for their next run and not run yet. A position copied twice before
-    # it runs, or a position that runs without being in here, is a hazard.
+    # Positions copied for their next run and not run yet. A copy over one of them, or a
+    # second copy of one of them, is a hazard.
     pending: set[int] = set()
 
     def issue(target: int, when: str) -> None:
@@ -161,15 +211,23 @@ def check_schedule(schedule: PrefetchSchedule) -> None:
         seen_states.add(state)
         for position in range(n):
             when = f"pass {pass_number}, after position {position}"
-            if position not in pending or occupant.get(schedule.slots[position]) != position:
+            slot = schedule.slots[position]
+            holder = occupant.get(slot)
+            if holder != position:
+                if holder is not None:
+                    what = f"it holds position {holder}'s data"
+                elif position in schedule.kept_positions:
+                    what = "it is alone in its slot, and only the initial copies load such a position"
+                else:
+                    what = "no copy was issued into it"
                 raise PlanError(
-                    f"pass {pass_number}: position {position} runs before its copy into slot "
-                    f"{schedule.slots[position]} was issued",
+                    f"pass {pass_number}: position {position} runs before its copy into slot {slot} "
+                    f"was issued ({what})",
                     name="next_after",
                     value=position,
                 )
             pending.discard(position)
-            following = schedule.next_after[position]
+            following = issued_after[position]
             if following is not None:
                 issue(following, when)
         pass_number += 1

@@ -224,8 +224,9 @@ def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:
         out.append(_w(
             WarningCode.PREFETCH_DEPTH_COVERS_ALL,
             f"prefetch_step {step} gives a slot to every one of the {len(f.offloaded_layers)} "
-            f"offloaded layers: the static buffers ({format_bytes(f.buffer_bytes)}) take as "
-            f"much device memory as offloading frees ({format_bytes(f.offloaded_bytes)})",
+            "offloaded layers: each is loaded once and keeps its slot, so nothing is copied per "
+            f"step, but the static buffers ({format_bytes(f.buffer_bytes)}) take as much device "
+            f"memory as offloading frees ({format_bytes(f.offloaded_bytes)})",
         ))
     if f.env.platform.has_cuda and not f.pin.pin:
         out.append(_w(

@@ -19,7 +19,16 @@ from offload import (
     make_plan,
 )
 from offload.errors import ConfigError
-from offload.pure.blocks import ALIGN, Span, aligned, host_blocks, layer_copies, merge_spans, slot_arenas
+from offload.pure.blocks import (
+    ALIGN,
+    Span,
+    aligned,
+    copies_per_step,
+    host_blocks,
+    layer_copies,
+    merge_spans,
+    slot_arenas,
+)
 from offload.pure.moves import Move
 
 GPU = EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=1 << 40, can_map_host_memory=True))
@@ -235,3 +244,23 @@ def test_layer_copies_count_a_layer_tie_once_and_nothing_for_other_backends() ->
     assert layer_copies(plan) == (1, 1, 1)  # w and up; the tie reads w's buffer
     uva = make_plan(spec(2), OffloadConfig(backend="uva", uva_max_bytes=1 << 20), GPU)
     assert layer_copies(uva) == ()
+
+
+# ---- copies_per_step --------------------------------------------------------------------
+
+
+def test_copies_per_step_leave_out_the_layers_loaded_once() -> None:
+    # 4 offloaded layers at depth 2: slots 0, 1, 0, 1, every slot shared: each layer is
+    # copied every step, as many copies as layer_copies says.
+    shared = plan_for(spec(4))
+    assert copies_per_step(shared) == layer_copies(shared) == (2, 2, 2, 2)
+    # 3 layers at depth 2: slot 1 is layer 1's alone; it is copied once, at the start.
+    lone = plan_for(spec(3))
+    assert layer_copies(lone) == (2, 2, 2)
+    assert copies_per_step(lone) == (2, 0, 2)
+    assert copies_per_step(lone, moves(lone, Move.ADOPT)) == (4, 0, 4)
+    # 2 layers at depth 2: both alone, nothing is copied per step.
+    assert copies_per_step(plan_for(spec(2))) == (0, 0)
+    assert copies_per_step(plan_for(spec(5), prefetch_step=5)) == (0, 0, 0, 0, 0)
+    uva = make_plan(spec(2), OffloadConfig(backend="uva", uva_max_bytes=1 << 20), GPU)
+    assert copies_per_step(uva) == ()

@@ -8,6 +8,7 @@ FLOP/s, no weight-read roofline. Every toy parameter is a bf16 vector of 50 elem
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -17,8 +18,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.errors import ConfigError
-from offload.pure import EnvFlags, EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, ParamSpec, Platform, make_plan
-from offload.pure.estimate import StepEstimate, Workload, estimate
+from offload.pure import (
+    EnvFlags,
+    EnvSnapshot,
+    LayerSpec,
+    ModelSpec,
+    OffloadConfig,
+    ParamSpec,
+    Placement,
+    Platform,
+    PrefetchSchedule,
+    WarningCode,
+    make_plan,
+    schedule_prefetch,
+)
+from offload.pure.estimate import StepEstimate, Workload, estimate, simulate_prefetch
 from offload.pure.profiles import (
     GB,
     PROFILES,
@@ -96,32 +110,89 @@ def test_alternate_layers_one_slot_overlap_half_the_copy() -> None:
 
 
 def test_alternate_layers_two_slots_reach_the_limit() -> None:
-    """As above with depth 2: each copy is issued a whole pass ahead (after its own layer
-    ran), with 1.5 s of other compute before it is needed, and the link carries 2 x 1 s in
-    a 2 s pass: no stall, step = limit = 2.0 s."""
+    """As above with depth 2: two offloaded layers, two slots, one layer each. Each is
+    copied once before the first step and keeps its slot, so nothing crosses the link per
+    step: no stall, step = compute = 2.0 s; limit max(2.0, 0 B / 100 B/s) = 2.0 s."""
     step = run(uniform(4), OffloadConfig(group_size=2, num_in_group=1, prefetch_step=2), tokens=5)
     assert stalls(step) == pytest.approx([0.0, 0.0, 0.0, 0.0])
     assert step.step_seconds == pytest.approx(2.0)
     assert step.ratio_to_limit == pytest.approx(1.0)
+    assert [layer.copy_bytes for layer in step.layers] == [0, 0, 0, 0]
+    assert [layer.copy_seconds for layer in step.layers] == [0.0, 0.0, 0.0, 0.0]
+    assert [layer.loaded_once_bytes for layer in step.layers] == [0, 100, 0, 100]
+    assert step.offloaded_bytes_per_step == 0
+    assert step.loaded_once_bytes == 200
+    assert step.link_seconds == 0.0
 
 
 def test_three_positions_two_slots_wrap_around() -> None:
     """3 layers all offloaded, depth 2 (3 is not a multiple of 2), 5 tokens: compute 0.5 s,
-    copies 1 s. Schedule: initial copies 0, 1; after 0 copy 2; after 1 copy 1 (next pass);
-    after 2 copy 0 (next pass). By hand, from pass 1 on every pass repeats:
+    copies 1 s. Slot 0 holds layers 0 and 2, slot 1 only layer 1, which is loaded once.
+    Schedule: initial copies 0, 1; after 0 copy 2; after 1 nothing; after 2 copy 0 (next
+    pass). By hand, from pass 1 on every pass repeats (T its start, the link idle):
 
-    - layer 0 starts at T, its copy (issued when layer 2 ended at T, behind copy 1 that
-      runs until T + 0.5) lands at T + 1.5: stall 1.5, ends T + 2.0;
-    - layer 1's copy landed at T - 2.5: no stall, ends T + 2.5;
-    - layer 2's copy, issued at T + 2.0 behind copy 0, landed at T + 3.0: stall 0.5.
+    - layer 0's copy, issued when layer 2 ended at T, lands at T + 1.0: stall 1.0, ends
+      T + 1.5; copy 2 is issued then and lands at T + 2.5;
+    - layer 1 is in its slot since the start: no stall, ends T + 2.0;
+    - layer 2 waits for its copy until T + 2.5: stall 0.5, ends T + 3.0.
 
-    Step 3 x 0.5 + 1.5 + 0.5 = 3.5 s; limit max(1.5, 3.0) = 3.0 s.
+    Step 3 x 0.5 + 1.0 + 0.5 = 3.0 s; the link moves 200 B a step (layers 0 and 2), so the
+    limit is max(1.5, 200 / 100) = 2.0 s.
     """
     step = run(uniform(3), OffloadConfig(group_size=1, prefetch_step=2), tokens=5)
-    assert stalls(step) == pytest.approx([1.5, 0.0, 0.5])
-    assert step.step_seconds == pytest.approx(3.5)
-    assert step.limit_seconds == pytest.approx(3.0)
+    assert stalls(step) == pytest.approx([1.0, 0.0, 0.5])
+    assert step.step_seconds == pytest.approx(3.0)
+    assert step.limit_seconds == pytest.approx(2.0)
     assert step.period == 1
+    assert [layer.copy_bytes for layer in step.layers] == [100, 0, 100]
+    assert [layer.copy_seconds for layer in step.layers] == pytest.approx([1.0, 0.0, 1.0])
+    assert [layer.loaded_once_bytes for layer in step.layers] == [0, 100, 0]
+    assert step.offloaded_bytes_per_step == 200
+
+
+def test_an_old_schedule_that_copies_a_lone_owner_again_is_estimated_as_kept() -> None:
+    """A plan written before lone owners were loaded once says next_after[1] = 1 for the
+    3-layer, depth-2 case; that copy is redundant (layer 1's slot still holds it), and
+    the executor skips it: the same steady state as the schedule without it."""
+    new = schedule_prefetch(3, 2)
+    old = PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1, 0), next_after=(2, 1, 0))
+    busy, copy, positions = [0.5, 0.5, 0.5], [1.0, 1.0, 1.0], [0, 1, 2]
+    assert simulate_prefetch(busy, copy, positions, old) == simulate_prefetch(busy, copy, positions, new)
+    assert simulate_prefetch(busy, copy, positions, old)[0] == pytest.approx((1.0, 0.0, 0.5))
+    plan = make_plan(uniform(3), OffloadConfig(group_size=1, prefetch_step=2), ENV)
+    step = estimate(attrs.evolve(plan, schedule=old), TOY, Workload(tokens_per_step=5))
+    assert step == estimate(plan, TOY, Workload(tokens_per_step=5))
+
+
+def test_a_run_with_a_layer_loaded_once_still_stalls_as_the_plan_warns() -> None:
+    """8 layers, group 8 / 3 in group: layers 5, 6, 7 offloaded, depth 2, 5 tokens (0.5 s a
+    layer, copies 1 s). Layer 6 is alone in slot 1 and loaded once; layers 5 and 7 share
+    slot 0. Layer 7's copy is issued when layer 5 ends and overlaps only layer 6: it waits
+    0.5 s. Layer 5's copy, issued when layer 7 ends, overlaps layers 0-4 of the next step
+    (2.5 s): no wait. Step 8 x 0.5 + 0.5 = 4.5 s. The plan's PREFETCH_STALLS warning (3
+    adjacent layers, depth 2) still holds."""
+    config = OffloadConfig(group_size=8, num_in_group=3, prefetch_step=2)
+    plan = make_plan(uniform(8), config, ENV)
+    assert plan.offloaded_layers == (5, 6, 7)
+    assert [w.code for w in plan.warnings if w.code is WarningCode.PREFETCH_STALLS] == [WarningCode.PREFETCH_STALLS]
+    step = estimate(plan, TOY, Workload(tokens_per_step=5))
+    assert stalls(step) == pytest.approx([0.0] * 7 + [0.5])
+    assert step.step_seconds == pytest.approx(4.5)
+    assert [layer.loaded_once_bytes for layer in step.layers] == [0] * 6 + [100, 0]
+
+
+def test_one_offloaded_layer_is_loaded_once() -> None:
+    """One layer, prefetched, depth 1: its one slot has no other owner, so the layer is
+    copied once before the first step and stays: a step is its compute, 2 x 50 x 1 / 1000
+    = 0.1 s, and nothing is moved per step; the 100 B are loaded once."""
+    step = run(uniform(1), OffloadConfig(group_size=1, prefetch_step=1))
+    assert step.step_seconds == pytest.approx(0.1)
+    assert step.limit_seconds == pytest.approx(0.1)
+    assert (step.layers[0].copy_bytes, step.layers[0].copy_seconds, step.layers[0].stall_seconds) == (0, 0.0, 0.0)
+    assert step.layers[0].loaded_once_bytes == 100
+    data = json.loads(step.to_json())
+    assert data["layers"][0]["loaded_once_bytes"] == 100
+    assert data["layers"][0]["copy_bytes"] == 0
 
 
 def test_unpinned_prefetch_copies_at_the_pageable_rate() -> None:
@@ -181,14 +252,15 @@ def test_weight_reads_bound_few_tokens() -> None:
 
 
 def test_tied_parameters_in_one_layer_are_copied_once() -> None:
-    """One layer holding ``w`` and ``w_alias`` (one storage of 100 B), prefetched, depth 1:
-    compute counts both names, 2 x 100 x 1 / 1000 = 0.2 s; the copy moves 100 B once, 1 s,
-    issued after the layer itself ran: stall 1.0, step 1.2 s; limit max(0.2, 1.0) = 1.0 s."""
-    spec = model((vec("w", key="s"), vec("w_alias", key="s")))
+    """Two layers each holding ``w`` and ``w_alias`` (one storage of 100 B), prefetched,
+    depth 1 (one slot, two owners): compute counts both names, 2 x 100 x 1 / 1000 = 0.2 s
+    a layer; each copy moves 100 B once, 1 s, issued after the other layer ran: stall 1.0
+    each, step 2 x 1.2 = 2.4 s; limit max(0.4, 200 B / 100 B/s) = 2.0 s."""
+    spec = model(*((vec("w", key=f"s{i}"), vec("w_alias", key=f"s{i}")) for i in range(2)))
     step = run(spec, OffloadConfig(group_size=1, prefetch_step=1))
-    assert step.layers[0].copy_bytes == 100
-    assert step.step_seconds == pytest.approx(1.2)
-    assert step.limit_seconds == pytest.approx(1.0)
+    assert [layer.copy_bytes for layer in step.layers] == [100, 100]
+    assert step.step_seconds == pytest.approx(2.4)
+    assert step.limit_seconds == pytest.approx(2.0)
 
 
 def _profiles() -> st.SearchStrategy[DeviceProfile]:
@@ -214,6 +286,20 @@ def test_prefetch_never_beats_the_limit(spec: ModelSpec, group: int, share: int,
                 sum(layer.copy_bytes for layer in step.layers) / profile.pinned_h2d_bytes_per_s)
     assert step.step_seconds >= floor * (1 - 1e-9)
     assert step.step_seconds == pytest.approx(sum(layer.seconds for layer in step.layers))
+    # Every prefetched byte is moved either every step or once, never both; the layers
+    # moved once are exactly those alone in their slot, and they never stall.
+    plan = make_plan(spec, config, env)
+    kept = {plan.offloaded_layers[i] for i in plan.schedule.kept_positions}
+    prefetched = [0] * len(step.layers)
+    for p in plan.params:
+        if p.placement is Placement.PREFETCH and not (p.tied_to is not None and p.tied_to[0] == p.layer):
+            prefetched[p.layer] += p.nbytes
+    for layer in step.layers:
+        assert layer.copy_bytes + layer.loaded_once_bytes == prefetched[layer.layer]
+        assert (layer.loaded_once_bytes > 0) == (layer.layer in kept and prefetched[layer.layer] > 0)
+        if layer.layer in kept:
+            assert (layer.copy_bytes, layer.copy_seconds, layer.stall_seconds) == (0, 0.0, 0.0)
+    assert step.loaded_once_bytes == sum(prefetched[layer] for layer in kept)
     # A faster link never makes the same plan slower.
     faster = attrs.evolve(profile, pinned_h2d_bytes_per_s=profile.pinned_h2d_bytes_per_s * 2,
                           pageable_h2d_bytes_per_s=profile.pageable_h2d_bytes_per_s * 2)
@@ -314,6 +400,20 @@ def test_rendering_collapses_identical_layers_and_shows_the_arithmetic() -> None
     assert ["0-2", "100.000", "0.000", "0.000", "0.000", "0.000", "100.000", "0", "B"] in rows
     assert ["total", "300.000", "0.000", "0.000", "0.000", "0.000", "300.000", "0", "B"] in rows
     assert "limit            = max(300.000 ms, 0 s) = 300.000 ms" in text
+
+
+def test_rendering_says_what_is_loaded_once() -> None:
+    """3 layers at depth 2: layer 1 is loaded once. Its row moves nothing per step, the
+    link counts layers 0 and 2 (200 B), and a line says what is loaded once."""
+    from offload.pure.fit_render import render_estimate
+
+    text = render_estimate(run(uniform(3), OffloadConfig(group_size=1, prefetch_step=2), tokens=5))
+    rows = [line.split() for line in text.splitlines()]
+    assert ["1", "500.000", "0.000", "0.000", "0.000", "0.000", "500.000", "0", "B"] in rows
+    assert "link             = 200 B (200 bytes) / 0.00 GB/s = 2.000 s" in text
+    assert ("loaded once      = 100 B (100 bytes), 1 layer alone in its slot: copied before the first step, "
+            "not per step") in text
+    assert "loaded once" not in render_estimate(run(uniform(3), OffloadConfig(group_size=1, prefetch_step=1)))
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))

@@ -27,6 +27,8 @@ from offload.pure import (
     make_plan,
     segment_matches,
 )
+from offload.pure._fit_candidates import prefetch_candidate
+from offload.pure._fit_table import buffer_bytes, build_table, expand, layer_sets
 from offload.pure.estimate import Workload, estimate
 from offload.pure.fit import FitCandidate, FitResult, fit
 from offload.pure.fit_render import render_fit
@@ -303,3 +305,91 @@ def test_llama_70b_in_40_gib_on_an_h200() -> None:
     assert "chosen:" in text and "limit" in text and "runners" not in text.split("chosen:")[0]
     assert isinstance(result.runners_up[0], FitCandidate)
     assert result.to_json().startswith("{")
+
+
+def _prefetch_candidates(spec: ModelSpec, env: EnvSnapshot, tokens: int, max_step: int = MAX_STEP,
+                         budget: int = 1 << 60) -> list[tuple[OffloadConfig, FitCandidate, float]]:
+    """Every prefetch candidate the search can cost within `budget`, with its layer set's
+    bound."""
+    plan_env = planning_env(env, TOY)
+    table = build_table(spec, plan_env, TOY, Workload(tokens_per_step=tokens), (), 0)
+    out = []
+    for layer_set in layer_sets(table, max_step, budget):
+        expanded = expand(table, layer_set)
+        for depth in range(1, min(len(expanded.positions), max_step) + 1):
+            candidate = prefetch_candidate(table, expanded, depth, buffer_bytes(expanded, depth))
+            if candidate.device_bytes <= budget:
+                out.append((candidate.config, candidate, layer_set.bound_seconds))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=SPECS, env=ENVS, tokens=TOKENS, max_step=st.integers(1, 6), fraction=st.floats(0.0, 1.2))
+def test_every_prefetch_candidate_is_what_its_plan_and_estimate_say(spec: ModelSpec, env: EnvSnapshot, tokens: int,
+                                                                    max_step: int, fraction: float) -> None:
+    """The search's figures for each prefetch configuration (step, limit, device bytes)
+    are those of `make_plan` and `estimate`, layers loaded once included; and each layer
+    set's bound is below the step of every depth searched that fits the budget, or
+    pruning by it would be wrong."""
+    plan_env = planning_env(env, TOY)
+    budget = int(spec.nbytes * fraction)
+    for config, candidate, bound in _prefetch_candidates(spec, env, tokens, max_step, budget):
+        plan = make_plan(spec, config, plan_env)
+        step = estimate(plan, TOY, Workload(tokens_per_step=tokens))
+        assert candidate.step_seconds == pytest.approx(step.step_seconds, rel=1e-9)
+        assert candidate.limit_seconds == pytest.approx(step.limit_seconds, rel=1e-9)
+        assert candidate.buffer_bytes == plan.device_bytes_buffers
+        assert candidate.host_bytes == plan.host_bytes
+        assert candidate.resident_bytes == plan.device_bytes_resident
+        assert bound <= step.step_seconds * (1 + 1e-9)
+
+
+def test_a_layer_loaded_once_costs_the_link_nothing_in_the_search() -> None:
+    """3 layers of one 100-byte weight, all offloaded at depth 2, 1 token: compute
+    2 x 50 / 20000 = 5 ms a layer, copies 100 B / 1000 B/s = 100 ms. Layer 1 is alone in
+    slot 1 and loaded once; layers 0 and 2 share slot 0. Steady state (T: a step's start):
+    layer 0's copy, issued when layer 2 ended, lands at T + 100 ms (stall 100), it ends at
+    T + 105; layer 2's copy, issued then, lands at T + 205 while layer 1 ran T + 105..110
+    (stall 95). Step 15 + 195 = 210 ms; the link moves 200 B a step: limit 200 ms. With
+    room for every slot, the layer set's bound (depths up to 3: at depth 3 all three are
+    loaded once and nothing moves) is its compute, 15 ms; in 200 B of device memory (depth
+    2 at most: one layer kept), 200 B must move: 200 ms."""
+    found = {c: (cand, bound) for c, cand, bound in _prefetch_candidates(uniform(3), EnvSnapshot(), 1)
+             if (c.group_size, c.num_in_group) == (1, 1)}
+    candidate, bound = found[OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=2)]
+    assert candidate.step_seconds == pytest.approx(0.210)
+    assert candidate.limit_seconds == pytest.approx(0.200)
+    assert candidate.buffer_bytes == 200
+    assert bound == pytest.approx(0.015)
+    every, _ = found[OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=3)]
+    assert every.step_seconds == pytest.approx(0.015)  # all three loaded once: compute alone
+    assert every.limit_seconds == pytest.approx(0.015)
+    tight = {c: bound for c, _, bound in _prefetch_candidates(uniform(3), EnvSnapshot(), 1, budget=200)
+             if (c.group_size, c.num_in_group) == (1, 1)}
+    assert tight == {OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=d): pytest.approx(0.2)
+                     for d in (1, 2)}
+
+
+def test_a_storage_tied_across_layers_stays_resident_in_the_search_as_in_the_plan() -> None:
+    """4 layers of one 100-byte weight; layers 0 and 1 also share one 400-byte storage,
+    which prefetch keeps resident (one Parameter cannot point at two layers' buffers).
+    UVA off, budget 500 B: prefetch of every layer's own weight at depth 1 needs the
+    resident 400 B + one 100-byte slot = 500 B. Compute 2 x 250 / 20000 = 25 ms for layers
+    0 and 1, 5 ms for 2 and 3; each 100 ms copy is issued after the layer before ran and
+    waited for in full: step 60 + 400 = 460 ms. (The search used to count the tie as
+    prefetched and its plan disagreed with it.)"""
+    def weights(i: int) -> tuple[ParamSpec, ...]:
+        shared = ParamSpec(name="shared", shape=(200,), stride=(1,), dtype="bfloat16", itemsize=2, storage_key="tie")
+        return (vec("w", 50), shared) if i < 2 else (vec("w", 50),)
+
+    spec = ModelSpec(layers=tuple(LayerSpec(index=i, name=f"layers.{i}", params=weights(i)) for i in range(4)))
+    env = EnvSnapshot(flags=EnvFlags(disable_uva=True))
+    result = fit(spec, env, TOY, Workload(), 500, max_prefetch_step=4)
+    assert result.chosen.config == OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1)
+    assert (result.chosen.resident_bytes, result.chosen.buffer_bytes) == (400, 100)
+    assert result.chosen.step_seconds == pytest.approx(0.460)
+    assert oracle(spec, env, 1, 500, 0, (), max_depth=4) == pytest.approx(0.460)
+    for config, candidate, _ in _prefetch_candidates(spec, env, 1, 4):
+        plan = make_plan(spec, config, planning_env(env, TOY))
+        assert candidate.resident_bytes == plan.device_bytes_resident
+        assert candidate.step_seconds == pytest.approx(estimate(plan, TOY, Workload()).step_seconds, rel=1e-9)

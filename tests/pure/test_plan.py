@@ -30,6 +30,7 @@ from offload.pure import (
     Platform,
     WarningCode,
     make_plan,
+    render_plan,
     schedule_prefetch,
 )
 from offload.pure.moves import Move
@@ -370,7 +371,9 @@ WARNINGS: list[tuple[WarningCode, tuple[ModelSpec, OffloadConfig, EnvSnapshot], 
     (WarningCode.MODEL_FITS_ON_DEVICE, _evolved(device_total_bytes=1 << 30), ""),
     (WarningCode.PREFETCH_STALLS, _evolved(OffloadConfig(group_size=4, num_in_group=2, prefetch_step=1)), ""),
     (WarningCode.PREFETCH_STALLS, _evolved(OffloadConfig(group_size=8, num_in_group=3, prefetch_step=2)), ""),
-    (WarningCode.PREFETCH_DEPTH_COVERS_ALL, _evolved(attrs.evolve(BASE_CONFIG, prefetch_step=2)), ""),
+    # Layers 3 and 7 at depth 2: a slot each, so each is loaded once and never copied again.
+    (WarningCode.PREFETCH_DEPTH_COVERS_ALL, _evolved(attrs.evolve(BASE_CONFIG, prefetch_step=2)),
+     "each is loaded once and keeps its slot, so nothing is copied per step"),
     (WarningCode.INTEGRATED_GPU, _evolved(is_integrated=True), ""),
     (WarningCode.PREFETCH_UNPINNED, _evolved(flags=EnvFlags(disable_pin_memory=True)), "6"),
     (WarningCode.PREFETCH_UNPINNED, _evolved(is_wsl=True), "graph"),
@@ -763,6 +766,24 @@ def test_wrong_format_names_the_format() -> None:
     with pytest.raises(PlanError) as caught:
         OffloadPlan.from_json(json.dumps(document))
     assert "offload-plan/99" in str(caught.value)
+
+
+def test_a_plan_written_before_lone_owners_were_loaded_once_still_reads_and_runs_the_same() -> None:
+    # Layers 1, 3, 5 at depth 2 use slots 0, 1, 0: layer 3 is alone in slot 1. Plans written
+    # before it was loaded once say next_after = [2, 1, 0] (copy layer 3 again after itself).
+    document = _json_plan()
+    (schedule,) = [n for n in _walk(document["plan"]) if "next_after" in n]
+    assert schedule["next_after"] == [2, None, 0]
+    new = OffloadPlan.from_json(json.dumps(document))
+    schedule["next_after"] = [2, 1, 0]
+    old = OffloadPlan.from_json(json.dumps(document))
+    assert old.schedule.next_after == (2, 1, 0)
+    assert old.schedule.kept_positions == new.schedule.kept_positions == {1}
+    assert old.schedule.issued_after == new.schedule.issued_after == new.schedule.next_after
+    assert render_plan(old) == render_plan(new)
+    # Two 128-byte weights a layer (not a multiple of 256 bytes: one copy each); layers 1
+    # and 5 every step, layer 3 once.
+    assert "copies:   4 per step (+2 loaded once: layer 3 has a slot of its own)" in render_plan(old)
 
 
 # ============================================================================ values

@@ -105,14 +105,28 @@ def test_the_prefetch_numbers_are_the_expected_ones() -> None:
 
 def test_render_says_how_many_copies_a_step_makes() -> None:
     # By hand: each offloaded layer's two weights (1 GiB and 0.25 GiB, dense) share a block
-    # and an arena, so each layer is one copy; with layer_blocks "never", two.
+    # and an arena, so each layer is one copy; with layer_blocks "never", two. Layers 3, 7
+    # and 11 use slots 0, 1, 0: layer 7 is alone in slot 1, copied once at the start and
+    # never per step, so a step copies layers 3 and 11 only.
     config, env = PLANS[0][1], PLANS[0][2]
     merged = [line for line in render_plan(_plan(config, env)).splitlines() if line.startswith("copies:")]
-    assert merged == ["copies:   3 per step; 3 of 3 offloaded layers are one copy each "
-                      "(layer_blocks auto, weights where they are now)"]
+    assert merged == ["copies:   2 per step (+1 loaded once: layer 7 has a slot of its own); 3 of 3 offloaded layers "
+                      "are one copy each (layer_blocks auto, weights where they are now)"]
     never = render_plan(_plan(attrs.evolve(config, layer_blocks="never"), env))
-    assert "copies:   6 per step; 0 of 3 offloaded layers are one copy each (layer_blocks never" in never
+    assert ("copies:   4 per step (+2 loaded once: layer 7 has a slot of its own); 0 of 3 offloaded layers are one "
+            "copy each (layer_blocks never") in never
     assert not any(line.startswith("copies:") for line in render_plan(_plan(PLANS[2][1], PLANS[2][2])).splitlines())
+    # Layers 1, 3, 5, ... (group 2) at depth 1 share slot 0: nothing is loaded once.
+    shared = render_plan(_plan(OffloadConfig(group_size=2, num_in_group=1, prefetch_step=1), EnvSnapshot(platform=GPU)))
+    assert ("copies:   6 per step; 6 of 6 offloaded layers are one copy each (layer_blocks auto, weights where "
+            "they are now)") in shared.splitlines()
+    # Depth 3 for layers 3, 7, 11: a slot each, all loaded once.
+    covering = render_plan(_plan(attrs.evolve(config, prefetch_step=3), env))
+    assert ("copies:   0 per step (+3 loaded once: layers 3, 7, 11 have slots of their own); 3 of 3 offloaded "
+            "layers are one copy each") in covering
+    # Many kept layers are counted, not listed: 12 layers, each in a slot of its own.
+    every = render_plan(_plan(OffloadConfig(group_size=1, prefetch_step=12), env))
+    assert "copies:   0 per step (+12 loaded once: 12 layers have slots of their own); 12 of 12" in every
 
 
 def test_render_says_what_is_offloaded_per_layer() -> None:

@@ -3,8 +3,11 @@
 The simulation below is written from the issue's words, not from the checker: positions
 ``0..n-1`` run again and again; the ``initial`` positions are copied once at start;
 after position ``i`` runs, the copy of ``next_after[i]`` is issued into that position's
-slot. It then demands that every run finds its own data in its slot, copied since its
-previous run (exactly once), and that no copy lands in a slot whose current data belongs
+slot, unless ``next_after[i]`` is the only position that uses its slot: such a position
+is loaded once, by the initial copies, and keeps its slot, so no later copy of it is
+issued. It then demands that every run finds its own data in its slot (copied at some
+time, possibly in an earlier pass, and not overwritten since), that no position is
+copied twice before it runs, and that no copy lands in a slot whose current data belongs
 to a position that has been copied and not yet run.
 """
 
@@ -22,8 +25,11 @@ class Hazard(Exception):
     """The simulation found a stale read, a live overwrite or a double copy."""
 
 
-def simulate(schedule: PrefetchSchedule) -> int:
-    """Run passes until the state at a pass boundary repeats; return the passes run.
+def simulate(schedule: PrefetchSchedule) -> tuple[int, int]:
+    """Run passes until the state at a pass boundary repeats.
+
+    Returns:
+        (passes run, copies issued in the last pass: the copies of every steady-state pass).
 
     Raises:
         Hazard: naming what went wrong.
@@ -31,40 +37,47 @@ def simulate(schedule: PrefetchSchedule) -> int:
     n = len(schedule.slots)
     data: dict[int, int] = {}  # slot -> position whose weights it holds
     copies_since_run = [0] * n  # copies of each position since it last ran
-    fresh = [False] * n  # its slot holds its data, copied since its last run
+    alone = {i for i in range(n) if schedule.slots.count(schedule.slots[i]) == 1}
 
     def copy(target: int) -> None:
         slot = schedule.slots[target]
         owner = data.get(slot)
-        if owner is not None and owner != target and fresh[owner]:
+        if owner is not None and owner != target and copies_since_run[owner]:
             raise Hazard(f"copy of {target} overwrites slot {slot} holding {owner}, which has not run")
         copies_since_run[target] += 1
         if copies_since_run[target] > 1:
             raise Hazard(f"position {target} copied twice before it runs")
-        if owner is not None and owner != target:
-            fresh[owner] = False
         data[slot] = target
-        fresh[target] = True
 
     for target in schedule.initial:
         copy(target)
-    seen: set[tuple[tuple[tuple[int, int], ...], tuple[int, ...], tuple[bool, ...]]] = set()
-    passes = 0
+    seen: set[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = set()
+    passes = copies = 0
     while True:
-        state = (tuple(sorted(data.items())), tuple(copies_since_run), tuple(fresh))
+        state = (tuple(sorted(data.items())), tuple(copies_since_run))
         if state in seen:
-            return passes
+            return passes, copies
         seen.add(state)
+        copies = 0
         for position in range(n):
             slot = schedule.slots[position]
-            if data.get(slot) != position or not fresh[position] or copies_since_run[position] != 1:
-                raise Hazard(f"pass {passes}: position {position} reads slot {slot} without its own copy")
-            fresh[position] = False
+            if data.get(slot) != position:
+                raise Hazard(f"pass {passes}: position {position} reads slot {slot}, which holds "
+                             f"{data.get(slot)}'s data")
             copies_since_run[position] = 0
             after = schedule.next_after[position]
-            if after is not None:
+            if after is not None and after not in alone:
                 copy(after)
+                copies += 1
         passes += 1
+
+
+def lone_owners(n: int, step: int) -> set[int]:
+    """The positions with a slot of their own, from the slot rule ``i mod s`` alone: slot
+    ``k`` is used by ``k, k + s, k + 2s, ...``, so position ``i`` is alone in its slot when
+    it is a chain's first owner (``i < s``) and the chain has no second one (``i + s >= n``)."""
+    s = min(step, n)
+    return {i for i in range(n) if i < s and i + s >= n}
 
 
 def naive(n: int, step: int) -> PrefetchSchedule:
@@ -86,7 +99,8 @@ def test_every_count_and_step_passes_the_checker_and_the_simulation(step: int) -
     for n in range(0, 65):
         schedule = schedule_prefetch(n, step)
         check_schedule(schedule)
-        assert simulate(schedule) >= 1
+        passes, copies = simulate(schedule)
+        assert passes >= 1
         assert len(schedule.slots) == n
         assert len(schedule.next_after) == n
         assert schedule.num_slots == min(step, n)
@@ -96,9 +110,17 @@ def test_every_count_and_step_passes_the_checker_and_the_simulation(step: int) -
         assert set(schedule.slots) == set(range(schedule.num_slots))
         # The first min(step, n) positions are copied once at start.
         assert schedule.initial == tuple(range(min(step, n)))
-        # Every position is the copy target after exactly one position's forward.
+        kept = lone_owners(n, step)
+        assert schedule.kept_positions == kept
+        # A lone owner is loaded once (initial) and never copied again; every other
+        # position is the copy target after exactly one position's forward.
+        assert all(schedule.next_after[i] is None for i in kept)
         targets = [t for t in schedule.next_after if t is not None]
-        assert sorted(targets) == list(range(n))
+        assert sorted(targets) == sorted(set(range(n)) - kept)
+        # So a steady-state pass copies exactly the positions that share a slot, and
+        # executors issue every copy the schedule names.
+        assert copies == n - len(kept)
+        assert schedule.issued_after == schedule.next_after
 
 
 def test_zero_positions_is_an_empty_schedule() -> None:
@@ -107,8 +129,9 @@ def test_zero_positions_is_an_empty_schedule() -> None:
     assert schedule.next_after == ()
     assert schedule.initial == ()
     assert schedule.num_slots == 0
+    assert schedule.kept_positions == frozenset()
     check_schedule(schedule)
-    assert simulate(schedule) == 1
+    assert simulate(schedule) == (1, 0)
 
 
 @pytest.mark.parametrize(
@@ -127,10 +150,70 @@ def test_slots_cycle_through_min_step_n(n: int, step: int, slots: tuple[int, ...
     assert schedule_prefetch(n, step).slots == slots
 
 
-@pytest.mark.parametrize(("n", "step"), [(4, 2), (6, 3), (8, 1), (5, 5), (9, 3)])
+@pytest.mark.parametrize(("n", "step"), [(4, 2), (6, 3), (8, 1), (9, 3), (2, 1)])
 def test_when_the_count_is_a_multiple_of_the_step_copies_run_step_ahead(n: int, step: int) -> None:
-    # Then nothing wraps unevenly: after position i, position i + step (mod n) is copied.
+    # Then nothing wraps unevenly and every slot has at least two owners: after position
+    # i, position i + step (mod n) is copied.
     assert schedule_prefetch(n, step).next_after == tuple((i + step) % n for i in range(n))
+    assert schedule_prefetch(n, step).kept_positions == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("n", "step", "next_after", "kept"),
+    [
+        # 3 positions, 2 slots: slot 0 holds 0 and 2, slot 1 only 1. After 0 its slot goes
+        # to 2; after 2 back to 0 for the next pass; 1 is alone in slot 1 and stays there.
+        (3, 2, (2, None, 0), {1}),
+        # 5 positions, 3 slots: chains (0, 3), (1, 4), (2): 2 is alone.
+        (5, 3, (3, 4, None, 0, 1), {2}),
+        # 5 positions, 4 slots: chains (0, 4), (1), (2), (3).
+        (5, 4, (4, None, None, None, 0), {1, 2, 3}),
+        # 7 positions, 3 slots: chains (0, 3, 6), (1, 4), (2, 5): nobody is alone.
+        (7, 3, (3, 4, 5, 6, 1, 2, 0), set()),
+        # One position, one slot: it is alone.
+        (1, 1, (None,), {0}),
+    ],
+)
+def test_a_lone_owner_is_loaded_once(n: int, step: int, next_after: tuple[int | None, ...], kept: set[int]) -> None:
+    schedule = schedule_prefetch(n, step)
+    assert schedule.next_after == next_after
+    assert schedule.kept_positions == kept
+    check_schedule(schedule)
+    assert simulate(schedule)[1] == n - len(kept)
+
+
+@pytest.mark.parametrize(("n", "step"), [(n, s) for s in range(1, 9) for n in range(1, s + 1)])
+def test_a_step_that_covers_every_position_copies_nothing_after_the_start(n: int, step: int) -> None:
+    # n <= step: n slots, one position each; all are copied at start and kept.
+    schedule = schedule_prefetch(n, step)
+    assert schedule.next_after == (None,) * n
+    assert schedule.kept_positions == frozenset(range(n))
+    assert schedule.initial == tuple(range(n))
+    assert simulate(schedule)[1] == 0
+
+
+def test_the_lone_owners_of_an_old_schedule_are_kept_too() -> None:
+    # Plans written before a lone owner was loaded once say next_after[i] = i for it: the
+    # copy is redundant but safe (its slot holds nobody else), and the position is kept.
+    old = PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1, 0), next_after=(2, 1, 0))
+    assert old.kept_positions == {1}
+    assert old.issued_after == (2, None, 0) == schedule_prefetch(3, 2).next_after
+    check_schedule(old)
+    assert simulate(old)[1] == 2  # the copy of 1 is not issued
+    covering = PrefetchSchedule(num_slots=3, initial=(0, 1, 2), slots=(0, 1, 2), next_after=(0, 1, 2))
+    assert covering.kept_positions == {0, 1, 2}
+    assert covering.issued_after == (None, None, None)
+    check_schedule(covering)
+    assert simulate(covering)[1] == 0
+
+
+def test_kept_positions_come_from_the_slots_alone() -> None:
+    schedule = PrefetchSchedule(num_slots=4, initial=(0, 1, 3, 4), slots=(0, 1, 0, 3, 2, 2),
+                                next_after=(2, None, 0, None, 5, 4))
+    assert schedule.kept_positions == {1, 3}
+    assert isinstance(schedule.kept_positions, frozenset)
+    assert schedule.issued_after == schedule.next_after  # no copy names 1 or 3
+    check_schedule(schedule)
 
 
 @pytest.mark.parametrize("bad", [(-1, 1), (3, 0), (3, -2)])
@@ -145,7 +228,9 @@ def test_schedules_are_deterministic_and_safe_beyond_the_table(n: int, step: int
     schedule = schedule_prefetch(n, step)
     assert schedule == schedule_prefetch(n, step)
     check_schedule(schedule)
-    simulate(schedule)
+    passes, copies = simulate(schedule)
+    assert copies == n - len(lone_owners(n, step))
+    assert schedule.kept_positions == lone_owners(n, step)
 
 
 # ---------------------------------------------------------------------------- hazards
@@ -181,14 +266,18 @@ HAZARDS: list[tuple[str, PrefetchSchedule]] = [
      PrefetchSchedule(num_slots=1, initial=(), slots=(0,), next_after=(0,))),
     ("runs before its copy: position 1 never copied",
      PrefetchSchedule(num_slots=1, initial=(0,), slots=(0, 0), next_after=(None, 0))),
-    ("runs before its copy: no copies for the second pass",
-     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1), next_after=(None, None))),
+    ("runs before its copy: a shared slot gets no copy for the second pass",
+     PrefetchSchedule(num_slots=1, initial=(0,), slots=(0, 0), next_after=(1, None))),
+    ("runs on another's data: 2 takes slot 0 and nothing copies 0 back",
+     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1, 0), next_after=(2, None, None))),
     ("runs before its copy: copied after it would run",
      PrefetchSchedule(num_slots=2, initial=(0,), slots=(0, 1), next_after=(None, 1))),
     ("double copy at start",
      PrefetchSchedule(num_slots=1, initial=(0, 0), slots=(0,), next_after=(0,))),
-    ("double copy: position 1 copied at start and again after 0",
-     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1), next_after=(1, 0))),
+    ("double copy: position 2 copied after 0 and again after 1",
+     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1, 0, 1), next_after=(2, 2, 0, 1))),
+    ("runs before its copy: a lone owner is loaded by the initial copies only",
+     PrefetchSchedule(num_slots=2, initial=(0,), slots=(0, 1), next_after=(1, None))),
     ("overwrite at start: two positions, one slot, both copied",
      PrefetchSchedule(num_slots=1, initial=(0, 1), slots=(0, 0), next_after=(1, 0))),
     ("overwrite: copy into the slot of a position not yet run",
@@ -202,6 +291,22 @@ def test_hand_made_hazards_fail(schedule: PrefetchSchedule) -> None:
         check_schedule(schedule)
     with pytest.raises(Hazard):
         simulate(schedule)
+
+
+SAFE: list[tuple[str, PrefetchSchedule]] = [
+    ("two lone owners loaded once, no copies after the start",
+     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1), next_after=(None, None))),
+    ("a lone owner named again after it ran (not issued)",
+     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1), next_after=(None, 0))),
+    ("a lone owner named again before it runs (not issued, so not a second copy)",
+     PrefetchSchedule(num_slots=2, initial=(0, 1), slots=(0, 1), next_after=(1, 0))),
+]
+
+
+@pytest.mark.parametrize("schedule", [h[1] for h in SAFE], ids=[h[0] for h in SAFE])
+def test_hand_made_safe_schedules_pass(schedule: PrefetchSchedule) -> None:
+    check_schedule(schedule)
+    simulate(schedule)
 
 
 @pytest.mark.parametrize(
