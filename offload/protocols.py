@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from offload.pure.decisions import PinMethod
@@ -61,6 +61,12 @@ class Offloader(Protocol):
 
     def restore(self) -> None:
         """Put every weight back where it was, bit-identical; remove hooks; free host memory."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                     prefix: str = "") -> None:
+        """New weights for the wrapped model, without restoring it: offloaded ones into
+        their host copies, the rest in place (`offload.executors.reload`)."""
         ...
 
     def check(self) -> LiveCheck:

@@ -12,20 +12,21 @@ from offload.demo import build_demo_model, run_demo, summarize
 
 def test_run_demo_on_the_cpu_is_bit_exact_and_restores() -> None:
     lines: list[str] = []
-    result = run_demo(env=EnvSnapshot(), device="cpu", layers=5, hidden=64, tokens=4, steps=3, progress=lines.append)
+    result = run_demo(env=EnvSnapshot(), device="cpu", layers=7, hidden=64, tokens=4, steps=3, progress=lines.append)
     assert result.mechanics_only is True
     assert result.device == "cpu"
     assert result.outputs_equal is True
     assert result.restored_equal is True
     assert result.plan.backend is Backend.PREFETCH
-    # Default: every 2nd layer of 5 -> layers 1 and 3.
-    assert result.plan.offloaded_layers == (1, 3)
+    # Default: every 2nd layer of 7 -> layers 1, 3 and 5, at step 2: slot 0 for positions
+    # 0 and 2, slot 1 for position 1 alone (loaded once and kept).
+    assert result.plan.offloaded_layers == (1, 3, 5)
     assert result.device_bytes_freed_measured is None
-    # One warm-up plus three steps; each runs two offloaded layers, each of whose forward
-    # issues one copy per parameter of the next layer in its slot chain, plus the initial copies.
+    # One warm-up plus three steps; in each, positions 0 and 2 each issue one copy per
+    # parameter of the next layer in their slot's chain; plus the initial copies of two.
     params_per_layer = len(list(build_demo_model(1, 64, device=torch.device("cpu"), dtype=torch.float32).parameters()))
     assert result.stats.copies_issued == params_per_layer * (2 + 4 * 2)
-    assert len(lines) == 4 and lines[0].startswith("building 5 blocks")
+    assert len(lines) == 4 and lines[0].startswith("building 7 blocks")
     summary = summarize(result)
     assert summary["parity"] == "outputs equal bit for bit"
     assert "no memory saved" in summary["device"]

@@ -21,29 +21,45 @@ from offload.pure.spec import ParamSpec
 
 __all__ = [
     "Lifecycle",
+    "Patched",
     "Ref",
     "current_spec",
     "find_parameter",
     "first_float_tensor",
+    "guard_layers",
     "host_of",
     "host_owner",
     "patch_forward",
     "normal_tensors",
     "profiling",
     "raise_as_execution_error",
+    "raise_with_progress",
     "refuse_autograd",
     "torch_dtype",
+    "unfinished_restore",
+    "unguard_layers",
     "unpatch_forward",
 ]
 
 class Lifecycle(enum.Enum):
     """Where an executor is: made, wrapped (weights in host memory), ready (post_init
-    done), or restored (done for good)."""
+    done), restoring (a restore began and did not finish: the model cannot run until
+    `restore` is called again and finishes), or restored (done for good)."""
 
     NEW = "new"
     WRAPPED = "wrapped"
     READY = "ready"
+    RESTORING = "restoring"
     RESTORED = "restored"
+
+
+def unfinished_restore(what: str) -> ExecutionError:
+    """The error a forward (or another call that needs the offloaded model) raises while
+    a restore that stopped part way has not been finished (`Lifecycle.RESTORING`)."""
+    return ExecutionError(
+        f"{what}: restore() stopped part way and did not finish (some weights are back, the rest are still "
+        "offloaded, and no buffer is held); call restore() again to finish, then run the restored model",
+        name="state", value=Lifecycle.RESTORING.value)
 
 
 #: (layer index, parameter name relative to the layer).
@@ -92,25 +108,60 @@ def first_float_tensor(values: Sequence[Any]) -> torch.Tensor | None:
     return first
 
 
-def patch_forward(module: nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any] | None:
-    """Replace ``module.forward`` by ``wrap(original)`` on the instance.
+def patch_forward(module: nn.Module, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], *,
+                  method: str = "forward") -> Callable[..., Any] | None:
+    """Replace ``module.forward`` (or another `method`) by ``wrap(original)`` on the instance.
 
     Returns:
         What `unpatch_forward` needs: the instance attribute that was there before, or
-        None when ``forward`` came from the class.
+        None when the method came from the class.
     """
-    previous = module.__dict__.get("forward")
-    module.forward = wrap(module.forward)  # instance-level patch, undone by unpatch_forward
+    previous = module.__dict__.get(method)
+    setattr(module, method, wrap(getattr(module, method)))  # instance-level patch, undone by unpatch_forward
     return previous
 
 
-def unpatch_forward(module: nn.Module, previous: Callable[..., Any] | None) -> None:
+def unpatch_forward(module: nn.Module, previous: Callable[..., Any] | None, *, method: str = "forward") -> None:
     """Undo `patch_forward`."""
     if previous is None:
-        if "forward" in module.__dict__:
-            del module.forward
+        module.__dict__.pop(method, None)
         return
-    module.forward = previous
+    setattr(module, method, previous)
+
+
+Patched = list[tuple[nn.Module, Callable[..., Any] | None]]
+
+
+def guard_layers(layers: Sequence[nn.Module], hooked: Sequence[nn.Module]) -> Patched:
+    """Give every layer without a hook of its executor (`hooked`) a forward that refuses
+    to run while a restore is unfinished (`unfinished_restore`): its weights may be half
+    given back. Each module once, however often it appears in `layers`.
+
+    Returns:
+        What `unguard_layers` needs to take the guards off again.
+    """
+    skip = {id(module) for module in hooked}
+    guarded: Patched = []
+    for index, layer in enumerate(layers):
+        if id(layer) in skip:
+            continue
+        skip.add(id(layer))
+
+        def refuse(forward: Callable[..., Any], index: int = index) -> Callable[..., Any]:
+            def restoring(*args: Any, **kwargs: Any) -> Any:
+                raise unfinished_restore(f"layer {index} cannot run")
+
+            return restoring
+
+        guarded.append((layer, patch_forward(layer, refuse)))
+    return guarded
+
+
+def unguard_layers(guarded: Patched) -> None:
+    """Undo `guard_layers`."""
+    while guarded:
+        layer, previous = guarded.pop()
+        unpatch_forward(layer, previous)
 
 
 # ---- moving weights and putting them back (shared by the executors) ----------------------
@@ -141,6 +192,15 @@ def raise_as_execution_error(exc: BaseException, what: str, name: str) -> NoRetu
     if isinstance(exc, OffloadError) or not isinstance(exc, Exception):
         raise exc
     raise ExecutionError(f"{what}: {exc}", name=name, value=type(exc).__name__) from exc
+
+
+def raise_with_progress(exc: BaseException, what: str, name: str) -> NoReturn:
+    """Like `raise_as_execution_error`, but an `OffloadError` is wrapped too (keeping its
+    ``name`` and ``value``): for failures part way through a long operation, where
+    `what` says how far it got and the cause alone would not."""
+    if isinstance(exc, OffloadError):
+        raise ExecutionError(f"{what}: {exc}", name=exc.name, value=exc.value) from exc
+    raise_as_execution_error(exc, what, name)
 
 
 def current_spec(p: ParamPlan, tensor: torch.Tensor) -> ParamSpec:

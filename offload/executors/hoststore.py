@@ -59,6 +59,11 @@ class HostSource(Protocol):
         """Take back `host` if it came from here (True); False leaves it to the runtime."""
         ...
 
+    def writable(self, host: torch.Tensor) -> bool:
+        """Whether this process may write `host` in place (`load_weights`): False for
+        memory it maps read-only (a copy another process wrote and shares)."""
+        ...
+
 
 @final
 class _Block:
@@ -287,6 +292,12 @@ class HostStore:
     def get(self, ref: Ref) -> torch.Tensor | None:
         """The copy `ref` owns, or None."""
         return self._copies.get(ref)
+
+    def writable(self, ref: Ref) -> bool:
+        """Whether `ref`'s copy may be written in place (not read-only memory the source
+        shares with other processes); True when `ref` owns none."""
+        host = self._copies.get(ref)
+        return host is None or self._source is None or self._source.writable(host)
 
     def __contains__(self, ref: object) -> bool:
         return ref in self._copies

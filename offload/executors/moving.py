@@ -30,7 +30,7 @@ from offload.executors.common import (
     find_parameter,
     host_of,
     host_owner,
-    raise_as_execution_error,
+    raise_with_progress,
     torch_dtype,
 )
 from offload.executors.hoststore import HostStore
@@ -270,7 +270,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 @final
 class Progress:
     """Logs how far a long move has got (bytes, GB/s) on the ``offload.load`` logger, at
-    most once every `every` seconds, and once at the end."""
+    most once every `every` seconds, and once at the end (`total_bytes` 0: not known)."""
 
     def __init__(self, what: str, total_bytes: int, *, every: float = 2.0) -> None:
         self._what = what
@@ -290,8 +290,11 @@ class Progress:
         now = time.monotonic()
         if now - self._last >= self._every:
             self._last = now
-            log.info("%s: %s of %s (%.2f GB/s)", self._what, format_bytes(self._done), format_bytes(self._total),
-                     self._rate(now))
+            if self._total:
+                log.info("%s: %s of %s (%.2f GB/s)", self._what, format_bytes(self._done), format_bytes(self._total),
+                         self._rate(now))
+            else:  # the total is not known beforehand (weights read one at a time)
+                log.info("%s: %s so far (%.2f GB/s)", self._what, format_bytes(self._done), self._rate(now))
 
     def finish(self) -> None:
         """Log the total."""
@@ -604,7 +607,7 @@ class Restorer:
             self._reshare()
         except BaseException as exc:
             done = len(self._done) + len(self._back)
-            raise_as_execution_error(
+            raise_with_progress(
                 exc, f"restore stopped after giving back {done} of {total} storages (the rest are still "
                 "offloaded; call restore() again to finish)", "restore")
         progress.finish()

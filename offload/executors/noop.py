@@ -12,6 +12,7 @@ from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, move_resident, unmark
+from offload.executors.reload import Weights, write_weights
 from offload.protocols import Runtime
 from offload.pure.plan import Backend, OffloadPlan
 from offload.stats import OffloadStats
@@ -81,6 +82,18 @@ class NoopOffloader:
     @normal_tensors
     def post_init(self) -> None:
         """Nothing to prepare: no parameter is offloaded."""
+
+    @normal_tensors
+    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+        """Write new weights into the parameters and buffers of the layers, in place (as
+        the other backends do; nothing is offloaded here).
+
+        Raises:
+            ExecutionError: not wrapped, or a name, shape or copy is wrong (see `write_weights`).
+        """
+        if not self._wrapped:
+            raise ExecutionError("load_weights needs a wrapped model", name="state", value="new")
+        write_weights(weights, self._plan, self._layers, HostStore(self._rt, pin=self._plan.pin.method), prefix=prefix)
 
     def sync_prev_onload(self) -> None:
         """Nothing is ever in flight."""

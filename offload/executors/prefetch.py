@@ -23,7 +23,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from typing import Any, NoReturn, final
 
 import torch
 from torch import nn
@@ -33,19 +33,25 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
     Lifecycle,
+    Patched,
     Ref,
     current_spec,
     find_parameter,
     first_float_tensor,
+    guard_layers,
     host_of,
     normal_tensors,
     patch_forward,
     profiling,
     raise_as_execution_error,
+    raise_with_progress,
     refuse_autograd,
     torch_dtype,
+    unfinished_restore,
+    unguard_layers,
     unpatch_forward,
 )
+from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.live import LiveCheck, inspect_params
 from offload.executors.moving import (
@@ -61,6 +67,7 @@ from offload.executors.moving import (
     take_replacements,
     unmark,
 )
+from offload.executors.reload import Weights, refuse_read_only, route_state_dict_loads, write_weights
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, PreparedCopies, Runtime
 from offload.pure.blocks import Span, merge_spans, slot_arenas
@@ -68,6 +75,7 @@ from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
+from offload.pure.units import format_bytes
 from offload.runtime.arena import CAN_CARVE, carve
 from offload.stats import OffloadStats
 
@@ -76,6 +84,11 @@ __all__ = ["PrefetchOffloader"]
 log = logging.getLogger(__name__)
 
 Chunks = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # one copy: its (destination, source) memcpys
+
+#: One offloaded parameter as post_init bound it: (the ``_parameters`` dict of the module
+#: holding it, its key there, the Parameter, its data pointer (a slot buffer's), its
+#: version counter then).
+Bound = tuple[dict[str, Any], str, nn.Parameter, int, int]
 
 
 @final
@@ -106,12 +119,27 @@ class PrefetchOffloader:
         self._restorer: Restorer | None = None
         self._hooks: list[Any] = []  # state_dict hook handles
         self._patched: dict[int, Callable[..., Any] | None] = {}  # layer index -> previous forward attr
+        self._guards: Patched = []  # the other layers' refusing forwards while a restore is unfinished
         # position -> its copies, each as the runtime cuts it (`PreparedCopies`, worked out
         # at post_init) or as one (buffer, host) pair for `copy_after`; `_copy` issues one.
         self._copies: list[list[Chunks]] = []
         self._copy: Callable[[Chunks, Event | None], Event] = self._copy_after
-        # position -> (parameter, its buffer's data pointer and dtype), checked before each run
-        self._bound: list[list[tuple[nn.Parameter, int, torch.dtype]]] = []
+        # position -> its offloaded parameters as post_init left them, checked before each
+        # run (`_wait_at`), and their names within the layer, for messages.
+        self._bound: list[list[Bound]] = []
+        self._bound_names: list[list[str]] = []
+        # id of an offloaded Parameter -> (it, the owner of its host copy): what a
+        # conversion (`model.to()`, `_apply`) converts instead of its slot (post_init).
+        self._convert_from: dict[int, tuple[nn.Parameter, Ref]] = {}
+        # id of a module holding offloaded parameters -> (it, its entries: (key in its
+        # _parameters, the Parameter, owner of its host copy, its slot data)), for
+        # load_state_dict routing; id of a bound Parameter -> where it is in _bound
+        # (position, index), once per name it has (post_init).
+        self._held: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, Ref, torch.Tensor]]]] = {}
+        self._entries_of: dict[int, list[tuple[int, int]]] = {}
+        self._load_hooks: list[Any] = []  # load_state_dict hook handles (post_init)
+        self._reload_due = False  # host copies were written by load_state_dict: slots to refill
+        self._apply_patched: list[tuple[nn.Module, Callable[..., Any] | None]] = []  # holder -> previous _apply
         self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
         self._slot_params: dict[int, tuple[nn.Parameter, ...]] = {}  # layer -> its slot parameters (post_init)
         self._buffers: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], dict[int, torch.Tensor]] = {}
@@ -121,7 +149,9 @@ class PrefetchOffloader:
         self._pending: dict[int, tuple[Event, bool]] = {}
         self._landed: set[int] = set()
         self._position_of: dict[int, int] = {}  # offloaded layer -> schedule position (post_init)
-        self._next_after: tuple[int | None, ...] = ()  # the schedule's next_after (post_init)
+        self._last_position = -1  # the last schedule position, whose run ends a step (post_init)
+        self._next_after: tuple[int | None, ...] = ()  # the schedule's next_after, kept positions left out (post_init)
+        self._kept: tuple[bool, ...] = ()  # position -> whether it is kept (the only owner of its slot; post_init)
         self._dropped = 0
         # The schedule position expected next, and whether layers get their copy when
         # they run until the next step begins (see `_realign`).
@@ -225,15 +255,29 @@ class PrefetchOffloader:
             self._rt.synchronize()
             self._drop_buffers()
             raise_as_execution_error(exc, "post_init failed, weights left in host memory", "post_init")
+        self._patch_conversions()
+        self._load_hooks = route_state_dict_loads((h for h, _ in self._held.values()), self._route_begin,
+                                                  self._route_end)
         self._state = Lifecycle.READY
 
     def _drop_buffers(self) -> None:
         """Point every offloaded parameter at its host copy and let go of the static
         buffers and of everything in flight (call with nothing in flight)."""
         point_at_host_copies(self._plan, self._layers, self._host)
+        for holder, previous in reversed(self._apply_patched):
+            unpatch_forward(holder, previous, method="_apply")
+        self._apply_patched = []
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
+        self._held = {}
+        self._entries_of = {}
+        self._reload_due = False
         self._buffers.clear()
         self._copies = []
         self._bound = []
+        self._bound_names = []
+        self._convert_from = {}
         self._slot_params = {}
         self._copy_bytes = []
         self._pending.clear()
@@ -312,10 +356,15 @@ class PrefetchOffloader:
                     slots[slot] = self._rt.device_empty(b.shape, b.stride, dtype)
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
         self._position_of = position_of
-        self._next_after = tuple(plan.schedule.next_after)
+        # A kept position (the only owner of its slot) is loaded by the first copies and
+        # stays loaded: no copy is issued for it again (`PrefetchSchedule.issued_after`).
+        kept = plan.schedule.kept_positions
+        self._kept = tuple(i in kept for i in range(len(plan.offloaded_layers)))
+        self._next_after = plan.schedule.issued_after
+        self._last_position = len(plan.offloaded_layers) - 1
         copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
-        self._bound = [[] for _ in plan.offloaded_layers]
         slot_params: dict[int, list[nn.Parameter]] = {}
+        bound: list[tuple[ParamPlan, nn.Parameter]] = []
         for p in plan.offloaded_params:
             ref = (p.layer, p.name)
             param = find_parameter(self._layers[p.layer], p.name)
@@ -325,6 +374,7 @@ class PrefetchOffloader:
             found = slot_params.setdefault(p.layer, [])  # each parameter of a layer once (ties included)
             if all(param is not seen for seen in found):
                 found.append(param)
+            bound.append((p, param))
             if not owns_buffer(p) and p.tied_to is not None:
                 primary = find_parameter(self._layers[p.layer], p.tied_to[1])
                 if primary is None:
@@ -334,14 +384,67 @@ class PrefetchOffloader:
                 continue
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
-            self._bound[position_of[p.layer]].append((param, buffer.data_ptr(), buffer.dtype))
             owner = p.tied_to or ref
             copies[position_of[p.layer]].append((buffer, self._host_of(owner), owner))
+        self._bind(bound)
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
         self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host, _ in layer) for layer in copies]
         self._copies = self._prepared([self._merged(layer, arenas) for layer in copies])
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
+
+    def _bind(self, bound: Sequence[tuple[ParamPlan, nn.Parameter]]) -> None:
+        """Fix what `_wait_at` checks before each run of a position: where each of its
+        offloaded parameters is held, the Parameter, its data pointer and version counter;
+        what a conversion of each converts (`_converted`), and what `load_state_dict`
+        routing needs (`_route_begin`)."""
+        self._bound = [[] for _ in self._plan.offloaded_layers]
+        self._bound_names = [[] for _ in self._plan.offloaded_layers]
+        self._convert_from = {}
+        self._held = {}
+        self._entries_of = {}
+        for p, param in bound:
+            prefix, _, leaf = p.name.rpartition(".")
+            holder = self._layers[p.layer].get_submodule(prefix) if prefix else self._layers[p.layer]
+            position = self._position_of[p.layer]
+            owner = p.tied_to or (p.layer, p.name)
+            self._held.setdefault(id(holder), (holder, []))[1].append((leaf, param, owner, param.data))
+            self._entries_of.setdefault(id(param), []).append((position, len(self._bound[position])))
+            self._bound[position].append((holder._parameters, leaf, param, param.data_ptr(), param._version))
+            self._bound_names[position].append(p.name)
+            self._convert_from[id(param)] = (param, owner)
+
+    def _patch_conversions(self) -> None:
+        """Make conversions of the offloaded parameters convert their host copies.
+
+        ``model.to(dtype)``, ``.half()``, ``.cuda()`` and the like go through
+        ``nn.Module._apply(fn)``, which calls ``fn`` on every parameter of every module.
+        On a prefetched parameter that would convert its slot, which holds whichever layer
+        last ran there (another layer's weights, for a slot several layers share), and
+        `restore` would keep that. Each module holding an offloaded parameter gets an
+        instance ``_apply`` that hands ``fn`` the parameter's host copy instead, wherever
+        the call starts (the model, the stack, a layer or a part of it). A conversion that
+        changes nothing (``.cuda()`` of a model on the device) leaves the slot in place.
+        """
+        for holder, _ in self._held.values():
+            self._apply_patched.append((holder, patch_forward(holder, self._wrap_apply, method="_apply")))
+
+    def _wrap_apply(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return converting_apply(original, self._converted)
+
+    def _converted(self, param: nn.Parameter, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn`` (a conversion of ``nn.Module._apply``) of `param`, applied to its host
+        copy when `param` is an offloaded parameter pointing at its slot and ``fn`` would
+        change it (see `_patch_conversions`); else to `param` itself."""
+        entry = self._convert_from.get(id(param))
+        out = fn(param)
+        if entry is None or entry[0] is not param or self._state is not Lifecycle.READY or same_memory(out, param):
+            return out
+        host = self._host_of(entry[1])
+        converted = fn(host)
+        # A conversion that leaves the host copy as it is (``.cpu()``) gives the
+        # parameter a tensor of its own: the host copy stays the offloader's.
+        return converted.clone() if same_memory(converted, host) else converted
 
     def _resync(self) -> dict[Ref, ParamSpec | None]:
         """Re-read offloaded parameters; re-copy replaced data; report what each is now.
@@ -391,23 +494,25 @@ class PrefetchOffloader:
                 return compiled(*args, **kwargs)
             if torch.is_grad_enabled():
                 refuse_autograd(layer, self._layers[layer], names, args, kwargs)
-            if profiling():
-                with torch.profiler.record_function(f"offload.wait layer {layer}"):
-                    self.wait_layer(layer)
-                out = forward(*args, **kwargs)
-                with torch.profiler.record_function(f"offload.copy after layer {layer}"):
-                    self.start_after_layer(layer)
-                return out
             # wait_layer and start_after_layer, with the position looked up once for both.
             # The capture state is asked each time: a manual capture may begin or end
             # inside the layer, and the copy issued after it must be tagged as it is.
             position = self._position(layer)
             if position is None:
                 return forward(*args, **kwargs)
+            if profiling():
+                with torch.profiler.record_function(f"offload.wait layer {layer}"):
+                    self._wait_at(position, self._rt.is_capturing())
+                out = forward(*args, **kwargs)
+                with torch.profiler.record_function(f"offload.copy after layer {layer}"):
+                    self._after(position)
+                return out
             self._wait_at(position, self._rt.is_capturing())
             out = forward(*args, **kwargs)
             if not self._recovering:
                 self._start_at(position, self._rt.is_capturing())
+            if position == self._last_position and self._step_log.active:
+                self._step_log.step(self._steps, self.stats)
             return out
 
         return offloaded_forward
@@ -444,7 +549,7 @@ class PrefetchOffloader:
             else:
                 # The layer whose copy the start issues: its slot is the one overwritten.
                 position = self._position_of.get(layer)
-                after = None if position is None else self._plan.schedule.next_after[position]
+                after = None if position is None else self._next_after[position]
                 target = ops.NO_LAYER if after is None else self._plan.offloaded_layers[after]
                 overwritten = [] if target == ops.NO_LAYER else list(self._slot_params.get(target, ()))
                 ops.start_prefetch(produced, overwritten, handle, layer, target)
@@ -492,6 +597,8 @@ class PrefetchOffloader:
 
     def _position(self, layer: int) -> int | None:
         if self._state is not Lifecycle.READY:
+            if self._state is Lifecycle.RESTORING:
+                raise unfinished_restore(f"offloaded layer {layer} cannot run")
             raise ExecutionError(
                 f"an offloaded layer ran before post_init() (state {self._state.value})",
                 name="state", value=self._state.value,
@@ -503,25 +610,28 @@ class PrefetchOffloader:
         by the custom op). Nothing to do for a layer the revised plan no longer offloads."""
         position = self._position(layer)
         if position is not None:
-            self._wait_at(position, self._rt.is_capturing())
+            self._wait_at(position, self._rt.is_capturing(), eager=False)
 
-    def _wait_at(self, position: int, capturing: bool) -> None:
-        """`wait_layer` of the layer at schedule `position`, `capturing` as the runtime says."""
+    def _wait_at(self, position: int, capturing: bool, eager: bool = True) -> None:
+        """`wait_layer` of the layer at schedule `position`, `capturing` as the runtime
+        says; `eager`: the layer is called directly, not through the custom ops."""
         if position == 0:
             self._steps += 1
-            if self._step_log.active:
-                self._step_log.step(self._steps, self.stats)
         if capturing:
             self._check_capturable()
-        for param, pointer, dtype in self._bound[position]:
-            if param.data_ptr() != pointer or param.dtype != dtype:
+        # Each offloaded parameter is still the one its module holds, still points at its
+        # slot, and was not written in place (its version counter; not under the ops,
+        # whose declared mutations of the slot tensors move it: see `offload.executors.ops`).
+        for params, leaf, param, pointer, version in self._bound[position]:
+            if params.get(leaf) is not param or param.data_ptr() != pointer or (eager and param._version != version):
                 self._refuse_changed(position, param)
         expected, self._expected = self._expected, (position + 1) % len(self._copies)
         if (position != expected or self._recovering
                 or (position not in self._landed and position not in self._pending)):
             self._realign(position, expected, capturing)
         if position in self._landed:
-            self._landed.discard(position)
+            if not self._kept[position]:  # a kept position's slot stays loaded (its only owner)
+                self._landed.discard(position)
             return
         done, in_capture = self._pending.pop(position)
         if capturing == in_capture:
@@ -533,6 +643,8 @@ class PrefetchOffloader:
                     "forward")
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
+        if self._kept[position]:
+            self._landed.add(position)
 
     def _record(self) -> Event:
         try:
@@ -540,16 +652,32 @@ class PrefetchOffloader:
         except BaseException as exc:
             raise_as_execution_error(exc, "recording an event on the compute stream failed", "forward")
 
-    def _refuse_changed(self, position: int, param: nn.Parameter) -> None:
+    def _refuse_changed(self, position: int, param: nn.Parameter) -> NoReturn:
+        """Raise for the first bound parameter of `position` that changed after post_init."""
         layer = self._plan.offloaded_layers[position]
-        name = next((n for n, q in self._layers[layer].named_parameters(remove_duplicate=False) if q is param), "?")
+        index = next(i for i, entry in enumerate(self._bound[position]) if entry[2] is param)
+        params, leaf, _, pointer, _ = self._bound[position][index]
+        name = self._bound_names[position][index]
+        now = params.get(leaf)
+        if now is not param:
+            raise ExecutionError(
+                f"layer {layer} parameter {name!r} was {'deleted' if now is None else 'replaced by a new Parameter'} "
+                "after post_init, and the layer would run without the weights the copies bring. Call restore() "
+                "first (it keeps the new Parameter's data), make the change, then offload again",
+                name=name, value=layer)
+        if param.data_ptr() != pointer:
+            raise ExecutionError(
+                f"layer {layer} parameter {name!r} no longer points at its static buffer: it was changed after "
+                f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor assigned to "
+                "it), and the copies would fill a buffer it does not read. Call restore() first (it keeps the new "
+                "data), make the change, then offload again",
+                name=name, value=layer)
         raise ExecutionError(
-            f"layer {layer} parameter {name!r} no longer points at its static buffer: it was changed after "
-            f"post_init (now {param.dtype}, {tuple(param.shape)}; e.g. by model.to(), or a tensor assigned to "
-            "it), and the copies would fill a buffer it does not read. Call restore() first (it keeps the new "
-            "data), make the change, then offload again",
-            name=name, value=layer,
-        )
+            f"layer {layer} parameter {name!r} was written in place after post_init (e.g. by load_state_dict, or "
+            "param.copy_() under no_grad): the new values went into a static buffer that other layers share, not "
+            "into its host copy, and the next copy would overwrite them. Give an offloaded model new weights with "
+            "offloader.load_weights(...); restore() gives back the weights as they were before the write",
+            name=name, value=layer)
 
     def _realign(self, position: int, expected: int, capturing: bool) -> None:
         """`position` runs when the schedule expected `expected` (a forward stopped part
@@ -560,33 +688,38 @@ class PrefetchOffloader:
         step's first copies are issued as `post_init` does, and prefetching goes on. At any
         other position the layer gets its own copy now (the compute stream waits for it),
         and so does every later one until the next step begins; nothing is prefetched
-        meanwhile. Each realignment is counted (`stats().realignments`) and logged.
+        meanwhile. Each realignment is counted (`stats().realignments`) and logged;
+        refilling the slots after ``load_state_dict`` is not a realignment.
 
         Raises:
             ExecutionError: inside a CUDA graph capture (the order must be the eager one).
         """
         layers = self._plan.offloaded_layers
+        # After load_state_dict wrote host copies (`_route_end`) every slot is refilled
+        # the same way: that is not counted as a realignment.
+        reloaded, self._reload_due = self._reload_due, False
         if capturing:
             raise ExecutionError(
                 f"offloaded layer {layers[position]} ran out of order inside a CUDA graph capture (layer "
-                f"{layers[expected]} was next): capture a forward that runs every offloaded layer once, in order",
+                f"{layers[expected if expected >= 0 else 0]} was next, or weights were loaded and sync_prev_onload "
+                "was not called before the capture): capture a forward that runs every offloaded layer once, in order",
                 name="position", value=position,
             )
-        if not self._recovering:
+        if reloaded:
+            log.debug("offloaded layer %d: slots refilled after load_state_dict", layers[position])
+        elif not self._recovering:
             self._realignments += 1
             log.info("offloaded layer %d ran %s: schedule realigned (%s)", layers[position],
                      "without a copy in flight" if position == expected else f"when layer {layers[expected]} was next",
                      "new step" if position == 0 else "copies on demand until the next step")
         self._rt.synchronize()
-        self._pending.clear()
-        self._landed.clear()
         if position == 0:
-            self._recovering = False
-            for first in self._plan.schedule.initial:
-                self._issue(first, self._record(), in_capture=False)
+            self._restart()
             if 0 not in self._pending:  # not a prefetched position at step start: copy it now
                 self._issue(0, self._record(), in_capture=False)
             return
+        self._pending.clear()
+        self._landed.clear()
         self._recovering = True
         self._issue(position, self._record(), in_capture=False)
 
@@ -594,8 +727,17 @@ class PrefetchOffloader:
         """After `layer` ran: issue the copy the schedule names next (called by the op);
         nothing while the schedule is being realigned."""
         position = self._position(layer)
-        if position is not None and not self._recovering:
+        if position is not None:
+            self._after(position)
+
+    def _after(self, position: int) -> None:
+        """After the layer at `position` ran: the copy the schedule names next (none while
+        realigning), and the periodic stats line once a step's last offloaded layer ran
+        (its copies are all counted then)."""
+        if not self._recovering:
             self._start_at(position, self._rt.is_capturing())
+        if position == self._last_position and self._step_log.active:
+            self._step_log.step(self._steps, self.stats)
 
     def _start_at(self, position: int, capturing: bool) -> None:
         """`start_after_layer` of the layer at schedule `position` (not while realigning)."""
@@ -605,6 +747,104 @@ class PrefetchOffloader:
         if capturing:
             self._check_capturable()
         self._issue(target, self._record(), in_capture=capturing)
+
+    # ---- new weights ----------------------------------------------------------------
+
+    @normal_tensors
+    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+        """Give the model new weights without restoring it (`offload.executors.reload`):
+        offloaded ones into their host copies, resident ones and buffers in place; then,
+        after `post_init`, a step's first copies are issued again from the new host
+        copies, so the next forward (eager, compiled or a CUDA graph replay after
+        `sync_prev_onload`) computes with the new weights.
+
+        ``model.load_state_dict`` is routed the same way (`_route_begin`). Writes made
+        around both (``param.copy_()`` into a parameter that points at a shared slot) are
+        refused at the next forward; a call of this clears that refusal (the host copies
+        hold what the model computes with again).
+
+        Args:
+            weights: a mapping of names to tensors, or (name, tensor) pairs; names as
+                ``nn.ModuleList(layers).state_dict()`` gives them (``"3.mlp.up.weight"``).
+            prefix: what every name starts with (e.g. ``"model.layers."``), stripped.
+
+        Raises:
+            ExecutionError: the model is not wrapped (or a restore is unfinished), a CUDA
+                graph is being captured, or a name, shape or copy is wrong (see
+                `write_weights`; a mapping is checked whole before anything is written).
+        """
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+            if self._state is Lifecycle.RESTORING:
+                raise unfinished_restore("load_weights cannot write")
+            raise ExecutionError(f"load_weights needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        if self._rt.is_capturing():
+            raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
+        try:
+            self._rt.synchronize()  # copies in flight read the host copies about to be written
+        except BaseException as exc:
+            raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
+        try:
+            loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix)
+        except BaseException:
+            self._reloaded()  # what was written is what the model computes with
+            raise
+        self._reloaded()
+        log.info("load_weights: %d tensors into host copies, %d in place (%s)", loaded.host_copies, loaded.in_place,
+                 format_bytes(loaded.nbytes))
+
+    def _route_begin(self, holder: nn.Module) -> None:
+        """``load_state_dict`` reaches `holder`: point its offloaded parameters at their
+        host copies, so that torch writes the new values there (see `route_state_dict_loads`)."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return  # before post_init the parameters point at their host copies already
+        live = [(param, owner) for leaf, param, owner, *_ in entry[1] if holder._parameters.get(leaf) is param]
+        refuse_read_only(self._host, (owner for _, owner in live), "load_state_dict")
+        self._rt.synchronize()  # copies in flight read the host copies about to be written
+        for param, owner in live:
+            param.data = self._host_of(owner)
+
+    def _route_end(self, holder: nn.Module) -> None:
+        """`holder`'s part of ``load_state_dict`` is done: its parameters point at their
+        slots again, their writes are accepted, and the slots are refilled before the
+        next forward or replay (`_reload_due`)."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return
+        for leaf, param, owner, slot in entry[1]:
+            if holder._parameters.get(leaf) is param and same_memory(param.data, self._host_of(owner)):
+                param.data = slot
+                for position, index in self._entries_of[id(param)]:  # every name it has (a tie)
+                    params, name, _, pointer, _ = self._bound[position][index]
+                    self._bound[position][index] = (params, name, param, pointer, param._version)
+        self._reload_due = True
+        self._expected = -1  # no position: the next one realigns, which refills the slots
+
+    def _reloaded(self) -> None:
+        """After host copies were written: accept the parameters' version counters as
+        they are, and fill the slots afresh (after post_init)."""
+        if self._state is not Lifecycle.READY:
+            return
+        self._bound = [[(params, leaf, param, pointer, param._version) for params, leaf, param, pointer, _ in entries]
+                       for entries in self._bound]
+        self._refill()
+
+    def _refill(self) -> None:
+        """The host copies changed: the next forward is a new step, whose first copies
+        are issued now (call with nothing in flight)."""
+        self._expected = 0
+        self._reload_due = False
+        self._restart()
+
+    def _restart(self) -> None:
+        """Begin a step afresh, as post_init does: nothing pending or landed, the step's
+        first copies issued (call with nothing in flight)."""
+        self._pending.clear()
+        self._landed.clear()
+        self._recovering = False
+        for first in self._plan.schedule.initial:
+            self._issue(first, self._record(), in_capture=False)
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -617,6 +857,9 @@ class PrefetchOffloader:
         if self._state is not Lifecycle.READY:
             raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
                                  name="state", value=self._state.value)
+        if self._reload_due:  # load_state_dict wrote host copies: a replay reads the slots the step begins with
+            self._rt.synchronize()
+            self._refill()
         self._rt.synchronize()
 
     def join_after_forward(self) -> None:
@@ -640,17 +883,21 @@ class PrefetchOffloader:
         """Put every weight back on its original device, bit for bit; remove the hooks;
         release buffers and host memory.
 
+        A restore that stops part way leaves the model refusing to run (every layer's
+        forward raises `ExecutionError` saying so) until `restore` is called again and
+        finishes.
+
         Raises:
             ExecutionError: nothing to restore (never wrapped, or already restored), or a
-                device copy failed.
+                device copy failed (saying how far the restore got).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY, Lifecycle.RESTORING):
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         try:
             self._rt.synchronize()
         except BaseException as exc:
-            raise_as_execution_error(exc, "restore could not wait for the device, nothing restored", "restore")
+            raise_with_progress(exc, "restore could not wait for the device, nothing restored", "restore")
         restorer = self._restorer
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
@@ -658,9 +905,12 @@ class PrefetchOffloader:
         # The buffers go first (the device then holds no slot while weights come back to
         # it), and nothing here keeps a host copy the restorer releases (the host then
         # holds each weight once). Until restore finishes the model must not run.
-        if not restorer.started:
+        if self._state is not Lifecycle.RESTORING:
             slots = (t for slots in self._buffers.values() for t in slots.values())
             take_replacements(self._plan, self._layers, self._host, held_storages(self._host, slots), self._rt)
+            # From here weights come back one by one: the model must not run until the end.
+            self._guards = guard_layers(self._layers, [self._layers[index] for index in self._patched])
+            self._state = Lifecycle.RESTORING
         self._drop_buffers()
         restorer.run(self._plan)
         for index, previous in self._patched.items():
@@ -670,11 +920,12 @@ class PrefetchOffloader:
         self._hooks = []
         ops.unregister(self._handle)
         self._patched.clear()
+        unguard_layers(self._guards)
         self._host.clear()
         try:
             self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
         except BaseException as exc:
-            raise_as_execution_error(exc, "restore gave every weight back, but waiting for the device failed (call "
+            raise_with_progress(exc, "restore gave every weight back, but waiting for the device failed (call "
                                      "restore() again to finish)", "restore")
         unmark(self._layers)
         self._state = Lifecycle.RESTORED
@@ -725,3 +976,4 @@ class PrefetchOffloader:
 
     def _host_of(self, ref: Ref) -> torch.Tensor:
         return host_of(self._host, ref)
+

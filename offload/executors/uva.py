@@ -36,17 +36,22 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
     Lifecycle,
+    Patched,
     Ref,
     current_spec,
     find_parameter,
     first_float_tensor,
+    guard_layers,
     host_of,
     host_owner,
     normal_tensors,
     patch_forward,
     profiling,
     raise_as_execution_error,
+    raise_with_progress,
     refuse_autograd,
+    unfinished_restore,
+    unguard_layers,
     unpatch_forward,
 )
 from offload.executors.hoststore import HostSource, HostStore
@@ -76,12 +81,14 @@ from offload.executors.ondemand import (
     run_swapped,
     run_with,
 )
+from offload.executors.reload import Weights, refuse_read_only, route_state_dict_loads, write_weights
 from offload.executors.telemetry import StepLog
 from offload.protocols import Runtime
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.revise import demote_to_on_demand, revise_plan
 from offload.pure.spec import ParamSpec
+from offload.pure.units import format_bytes
 from offload.stats import OffloadStats
 
 __all__ = ["UVAOffloader"]
@@ -141,6 +148,12 @@ class UVAOffloader:
         self._bytes_copied = 0
         self._steps = 0
         self._first_on_demand: int | None = None  # the layer whose runs count as steps (post_init)
+        self._last_on_demand: int | None = None  # the layer whose runs end a step (post_init)
+        self._guards: Patched = []  # the other layers' refusing forwards while a restore is unfinished
+        # id of a module holding offloaded parameters -> (it, its (key in _parameters,
+        # Parameter, owner of its host copy)), for load_state_dict routing (post_init).
+        self._held: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, Ref]]]] = {}
+        self._load_hooks: list[Any] = []
         self._step_log = StepLog()
 
     @property
@@ -251,8 +264,17 @@ class UVAOffloader:
                     param.data = self._attach(p, held)
 
     def _hook_on_demand(self) -> None:
-        """Work out which parameters each layer copies per call; hook layers that need it."""
-        self._on_demand = on_demand_layers(self._plan.offloaded_params, self._host, self._viewed)
+        """Work out which parameters each layer copies per call; hook layers that need it.
+
+        A module that appears at several places of the stack (``[a, shared, b, shared]``)
+        is one set of weights (the plan ties its later places to the first) and one
+        forward: it is hooked once, under the first place it has, and copies that place's
+        weights whichever place calls it."""
+        copies = on_demand_layers(self._plan.offloaded_params, self._host, self._viewed)
+        first: dict[int, int] = {}
+        for index, module in enumerate(self._layers):
+            first.setdefault(id(module), index)
+        self._on_demand = {layer: c for layer, c in copies.items() if first[id(self._layers[layer])] == layer}
         for layer in self._on_demand:
             if layer not in self._patched:
                 self._patched[layer] = patch_forward(self._layers[layer], functools.partial(self._wrap_forward, layer))
@@ -313,9 +335,50 @@ class UVAOffloader:
             self._sites = {layer: bind_sites(layer, self._layers[layer], copies, self._host)
                            for layer, copies in self._on_demand.items()}
             self._first_on_demand = min(self._on_demand, default=None)
+            self._last_on_demand = max(self._on_demand, default=None)
         except BaseException as exc:
             raise_as_execution_error(exc, "post_init failed finding the on-demand parameters", "post_init")
+        self._route_loads()
         self._state = Lifecycle.READY
+
+    def _route_loads(self) -> None:
+        """Route ``load_state_dict`` of the offloaded parameters into their host copies
+        (`route_state_dict_loads`): a view's writes would be device writes of host memory."""
+        held: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, Ref]]]] = {}
+        for p in self._plan.offloaded_params:
+            owner = host_owner(p, self._host)
+            param = find_parameter(self._layers[p.layer], p.name)
+            if owner is None or param is None:
+                continue
+            prefix, _, leaf = p.name.rpartition(".")
+            holder = self._layers[p.layer].get_submodule(prefix) if prefix else self._layers[p.layer]
+            held.setdefault(id(holder), (holder, []))[1].append((leaf, param, owner))
+        self._held = held
+        self._load_hooks = route_state_dict_loads((h for h, _ in held.values()), self._route_begin, self._route_end)
+
+    def _route_begin(self, holder: nn.Module) -> None:
+        """``load_state_dict`` reaches `holder`: its parameters that point at a device view
+        point at the host copy behind it while torch writes (on-demand ones do already)."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return
+        live = [(param, owner) for leaf, param, owner in entry[1] if holder._parameters.get(leaf) is param]
+        refuse_read_only(self._host, (owner for _, owner in live), "load_state_dict")
+        self._rt.synchronize()  # kernels may be reading the host copies about to be written
+        for param, owner in live:
+            if owner in self._viewed:
+                param.data = host_of(self._host, owner)
+
+    def _route_end(self, holder: nn.Module) -> None:
+        """`holder`'s part of ``load_state_dict`` is done: views are pointed at again."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return
+        for leaf, param, owner in entry[1]:
+            view = self._data.get(owner)
+            if (owner in self._viewed and view is not None and holder._parameters.get(leaf) is param
+                    and param.data_ptr() == host_of(self._host, owner).data_ptr()):
+                param.data = view
 
     def _resync(self) -> tuple[dict[Ref, ParamSpec | None], set[Ref]]:
         """Re-copy replaced data (old copies retired, not released: other parameters may
@@ -378,6 +441,8 @@ class UVAOffloader:
 
     def _copies_of(self, layer: int) -> LayerCopies | None:
         if self._state is not Lifecycle.READY:
+            if self._state is Lifecycle.RESTORING:
+                raise unfinished_restore(f"layer {layer} cannot run")
             raise ExecutionError(
                 f"layer {layer} copies its weights on demand and ran before post_init() (state "
                 f"{self._state.value}); post-processing may have replaced them: call post_init() first",
@@ -420,13 +485,13 @@ class UVAOffloader:
     def _copy(self, layer: int, copies: LayerCopies) -> list[torch.Tensor]:
         if layer == self._first_on_demand:
             self._steps += 1
-            if self._step_log.active:
-                self._step_log.step(self._steps, self.stats)
         if self._rt.is_capturing():
             check_capturable(layer, copies.owners, self._host, self._rt, self._plan.pin)
         tensors, nbytes = copy_layer(copies, self._host, self._rt)
         self._copies_issued += len(tensors)
         self._bytes_copied += nbytes
+        if layer == self._last_on_demand and self._step_log.active:
+            self._step_log.step(self._steps, self.stats)  # the step's copies are all counted now
         return tensors
 
     def copy_layouts(self, layer: int) -> list[ops.CopyLayout]:
@@ -435,6 +500,39 @@ class UVAOffloader:
         device = self._rt.device
         hosts = [host_of(self._host, owner) for owner in (copies.owners if copies is not None else ())]
         return [(tuple(h.shape), tuple(h.stride()), h.dtype, device) for h in hosts]
+
+    # ---- new weights ----------------------------------------------------------------
+
+    @normal_tensors
+    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+        """Give the model new weights without restoring it (`offload.executors.reload`):
+        offloaded ones into their host copies, which UVA views read in place and
+        on-demand layers copy from at their next call; resident ones and buffers in place.
+
+        Args:
+            weights: a mapping of names to tensors, or (name, tensor) pairs; names as
+                ``nn.ModuleList(layers).state_dict()`` gives them (``"3.mlp.up.weight"``).
+            prefix: what every name starts with (e.g. ``"model.layers."``), stripped.
+
+        Raises:
+            ExecutionError: the model is not wrapped (or a restore is unfinished), a CUDA
+                graph is being captured, or a name, shape or copy is wrong (see
+                `write_weights`; a mapping is checked whole before anything is written).
+        """
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+            if self._state is Lifecycle.RESTORING:
+                raise unfinished_restore("load_weights cannot write")
+            raise ExecutionError(f"load_weights needs a wrapped model (state {self._state.value})",
+                                 name="state", value=self._state.value)
+        if self._rt.is_capturing():
+            raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
+        try:
+            self._rt.synchronize()  # kernels may be reading the host copies about to be written
+        except BaseException as exc:
+            raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
+        loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix)
+        log.info("load_weights: %d tensors into host copies, %d in place (%s)", loaded.host_copies, loaded.in_place,
+                 format_bytes(loaded.nbytes))
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -464,13 +562,13 @@ class UVAOffloader:
             ExecutionError: nothing to restore (never wrapped, or already restored), or a
                 copy back failed (the model is then left offloaded, and restore can be retried).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY, Lifecycle.RESTORING):
             raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
                                  name="state", value=self._state.value)
         try:
             self._rt.synchronize()  # kernels may still read the host copies released below
         except BaseException as exc:
-            raise_as_execution_error(exc, "restore could not wait for the device, nothing restored", "restore")
+            raise_with_progress(exc, "restore could not wait for the device, nothing restored", "restore")
         restorer = self._restorer
         if restorer is None:
             raise ExecutionError("restore has nothing to give back (wrap_modules did not finish)",
@@ -478,9 +576,13 @@ class UVAOffloader:
         # Nothing here may keep a host copy the restorer releases (a view holds its host
         # tensor): parameters point at their host copies, the views go. Until restore
         # finishes the model must not run.
-        if not restorer.started:
+        if self._state is not Lifecycle.RESTORING:
             held = held_storages(self._host, self._data.values())
             take_replacements(self._plan, self._layers, self._host, held, self._rt)
+            # From here weights come back one by one: the model must not run until the
+            # end (UVA layers have no hook of their own; they get a refusing one).
+            self._guards = guard_layers(self._layers, [self._layers[index] for index in self._patched])
+            self._state = Lifecycle.RESTORING
         point_at_host_copies(self._plan, self._layers, self._host)
         self._data.clear()
         self._viewed.clear()
@@ -492,6 +594,11 @@ class UVAOffloader:
             hook.remove()
         self._hooks = []
         self._patched.clear()
+        unguard_layers(self._guards)
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
+        self._held = {}
         self._on_demand = {}
         self._sites = {}
         ops.unregister(self._handle)
@@ -499,7 +606,7 @@ class UVAOffloader:
         try:
             self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
         except BaseException as exc:
-            raise_as_execution_error(exc, "restore gave every weight back, but waiting for the device failed (call "
+            raise_with_progress(exc, "restore gave every weight back, but waiting for the device failed (call "
                                      "restore() again to finish)", "restore")
         unmark(self._layers)
         self._state = Lifecycle.RESTORED

@@ -19,7 +19,9 @@ __all__ = [
     "HIDDEN",
     "Attention",
     "BroadcastScaleBlock",
+    "BufferBlock",
     "Float8Linear",
+    "FusedBlock",
     "Int8Linear",
     "Mlp",
     "OptionalParamBlock",
@@ -161,6 +163,32 @@ class TiedBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = x + self.b(torch.tanh(self.a(x)))
         return out
+
+
+class FusedBlock(nn.Module):
+    """Two parameters that are different views (slices) of one storage, as a fused weight
+    split into q and k is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fused = torch.randn(2 * 16, 16)
+        self.q = nn.Parameter(fused[:16])
+        self.k = nn.Parameter(fused[16:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.q.T + x @ self.k.T
+
+
+class BufferBlock(nn.Module):
+    """A linear layer and a persistent buffer (``shift``) it adds: a state dict has both."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.register_buffer("shift", torch.randn(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x)) + self.get_buffer("shift")
 
 
 class SharedStorageBlock(nn.Module):

@@ -26,7 +26,14 @@ from tests.executors.helpers import (
     snapshot,
     tie_groups,
 )
-from tests.executors.models import TiedBlock, TransformerBlock, layer_list, replace_up_weight_data, transformer_model
+from tests.executors.models import (
+    FusedBlock,
+    TiedBlock,
+    TransformerBlock,
+    layer_list,
+    replace_up_weight_data,
+    transformer_model,
+)
 from tests.executors.uva_helpers import cpu_on_demand_plan, on_demand_plan, view_plan
 
 PREFETCH = OffloadConfig(group_size=1, prefetch_step=2)
@@ -248,20 +255,6 @@ def test_the_plan_made_from_another_model_of_the_same_shapes_still_runs() -> Non
     off.post_init()
     x = next(inputs(seed=5))
     assert torch.equal(model(x), reference(x))
-
-
-class FusedBlock(nn.Module):
-    """Two parameters that are different views (slices) of one storage, as a fused weight
-    split into q and k is."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        fused = torch.randn(2 * 16, 16)
-        self.q = nn.Parameter(fused[:16])
-        self.k = nn.Parameter(fused[16:])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.q.T + x @ self.k.T
 
 
 @pytest.mark.parametrize("kind", ["prefetch-pinned", "uva", "on-demand-pinned", "prefetch"])

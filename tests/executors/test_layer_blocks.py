@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
 from offload.executors import ops
 from offload.executors.live import Location
-from offload.pure.blocks import layer_copies
+from offload.pure.blocks import copies_per_step, layer_copies
 from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot
@@ -113,6 +113,31 @@ def test_unaligned_parameters_are_copied_alone_beside_the_merged_rest() -> None:
     assert layer_copies(off.plan) == (2, 2, 2, 2)  # what the plan predicts, and render_plan shows
     assert rt.blocks_made == 4
     assert off.stats().host_bytes == off.plan.host_bytes
+
+
+@pytest.mark.parametrize(("layers", "step"), [(3, 2), (5, 3), (4, 4)])
+def test_measured_copies_are_what_the_plan_predicts_with_layers_kept_in_their_slots(layers: int, step: int) -> None:
+    """A layer alone in its slot is copied at post_init only (issue 20, case 8): per step
+    the executor copies `copies_per_step`, at post_init `layer_copies` of the first ones."""
+    model = linear_stack(layers)
+    reference = copy.deepcopy(model)
+    plan = pinned_plan(model, config(step))
+    assert plan.schedule.kept_positions  # some layer has a slot of its own
+    rt = BlockRuntime(FakeRuntime())
+    off = prefetch(plan, rt)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    assert len(rt.copies) == sum(layer_copies(plan)[i] for i in plan.schedule.initial)
+    issued = len(rt.copies)
+    with torch.no_grad():
+        for x in activations():
+            assert torch.equal(model(x), reference(x))
+    assert len(rt.copies) - issued == 4 * sum(copies_per_step(plan))
+    # Slot s is owned by positions s, s + step, ...: alone when s + step >= layers.
+    lone = [s for s in range(min(step, layers)) if s + step >= layers]
+    assert sum(copies_per_step(plan)) == layers - len(lone)
+    assert off.stats().realignments == 0
+    off.restore()
 
 
 def test_on_the_cpu_always_copies_adopted_weights_into_blocks_and_releases_the_originals() -> None:

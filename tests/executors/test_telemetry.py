@@ -144,6 +144,44 @@ def test_log_stats_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
     off.restore()
 
 
+def test_each_stats_line_reports_finished_steps_on_demand(caplog: pytest.LogCaptureFixture) -> None:
+    """The line is written when a step's copies are all counted (issue 20, case 9: it was
+    written when a step began, and said 0, then half, then two thirds of the bytes a step
+    copies)."""
+    model = transformer_model(3)
+    plan = on_demand_plan(model)
+    off = uva(plan)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    _, nbytes = copies_per_forward(plan)
+    off.log_stats_every(steps=1)
+    with caplog.at_level(logging.INFO, logger="offload.stats"):
+        for x in inputs(seed=7, shapes=_shapes(3)):
+            model(x)
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
+    per_step = f"{nbytes / 2**20:.3f} MiB copied per step"  # the test models are small
+    assert [line.split(", ")[:2] for line in lines] == [[f"offload: step {n}", per_step] for n in (1, 2, 3)]
+    off.restore()
+
+
+def test_each_stats_line_reports_finished_steps_prefetch(caplog: pytest.LogCaptureFixture) -> None:
+    model, plan, _, off = _ready(4)
+    off.log_stats_every(steps=1)
+    with caplog.at_level(logging.INFO, logger="offload.stats"):
+        for x in inputs(seed=8, shapes=_shapes(3)):
+            model(x)
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
+    assert [line.split(",")[0] for line in lines] == ["offload: step 1", "offload: step 2", "offload: step 3"]
+    # By the end of step k, the first copies (post_init's) and each step's copies were
+    # issued: the line's figure is that total over k steps.
+    owned = sum(p.nbytes for p in plan.offloaded_params if p.tied_to is None)
+    first = sum(p.nbytes for p in plan.offloaded_params if p.tied_to is None
+                and p.layer in {plan.offloaded_layers[i] for i in plan.schedule.initial})
+    for k, line in enumerate(lines, start=1):
+        assert f"{(first + k * owned) / k / 2**20:.3f} MiB copied per step" in line
+    off.restore()
+
+
 @pytest.mark.parametrize(("steps", "seconds", "bad"), [
     (0, None, "steps"), (-1, None, "steps"), (True, None, "steps"), (1.5, None, "steps"),
     (None, 0.0, "seconds"), (None, float("nan"), "seconds"), (None, float("inf"), "seconds"),

@@ -1,0 +1,248 @@
+"""New weights for an offloaded model, without `restore` (`Offloader.load_weights`).
+
+Engines give a running model new weights on purpose: after a reinforcement-learning
+update, or when it wakes from sleep. Written the usual way (``load_state_dict``,
+``param.copy_()``) they would land in what an offloaded parameter points at: a static
+buffer several layers share (prefetch), which the next copy overwrites from the old host
+copy. Here each tensor goes where the weight really lives:
+
+- an offloaded parameter: into its host copy, in place (a tie's one copy, so ties stay
+  ties; each view of a fused weight into its own copy);
+- a resident parameter or a buffer of the layers: into it, in place.
+
+Nothing is allocated but what torch needs to convert a tensor of another dtype or device
+(at most the largest tensor). Values are converted to the weight's dtype, as
+``load_state_dict`` converts them; shapes must match. Names are those of the layer stack
+the offloader wrapped: ``"<index>.<name in the layer>"``, as ``nn.ModuleList(layers)``
+names them (``"3.mlp.up_proj.weight"``), with an optional prefix (``"model.layers."``)
+that every name must carry.
+
+The executor waits for the device before the first write (copies and kernels may be
+reading the host copies) and afterwards makes its buffers follow (the prefetch backend
+issues a step's first copies again); see the executors' ``load_weights``.
+
+``model.load_state_dict(...)`` is routed the same way (`route_state_dict_loads`): each
+module that holds offloaded parameters gets a pre-hook that points them at their host
+copies while torch copies its entries (so torch's own checks, ``strict`` and messages
+apply, and the values land in the host copies), and a post-hook that points them back
+and tells the executor its buffers must follow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, final
+
+import attrs
+import torch
+from torch import nn
+
+from offload.errors import ExecutionError
+from offload.executors.common import find_parameter, host_owner
+from offload.executors.hoststore import HostStore
+from offload.executors.moving import Progress
+from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.units import format_bytes
+
+__all__ = ["Loaded", "Weights", "refuse_read_only", "route_state_dict_loads", "write_weights"]
+
+log = logging.getLogger("offload.load")
+
+#: What `load_weights` takes: a mapping of names to tensors (a state dict) or an
+#: iterable of (name, tensor) pairs (a checkpoint read one tensor at a time).
+Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@attrs.frozen(kw_only=True)
+class Loaded:
+    """What `write_weights` wrote.
+
+    Attributes:
+        host_copies: tensors written into host copies of offloaded parameters.
+        in_place: tensors written into resident parameters and buffers.
+        nbytes: bytes written (of the weights, in their dtype).
+    """
+
+    host_copies: int = 0
+    in_place: int = 0
+    nbytes: int = 0
+
+
+@final
+@attrs.frozen
+class _Target:
+    """Where one named tensor goes: `dest` (a host copy or the live tensor), and whether
+    it is a host copy."""
+
+    name: str
+    dest: torch.Tensor
+    host: bool
+
+
+def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, *,
+                  prefix: str = "") -> Loaded:
+    """Write every tensor of `weights` where its weight lives (see the module docstring).
+
+    A mapping is checked whole before anything is written, so a bad name or shape
+    changes nothing; pairs from an iterable are checked and written one at a time.
+
+    Args:
+        weights: names and tensors.
+        plan: the plan being run (its offloaded parameters have host copies in `store`).
+        layers: the wrapped layers.
+        store: the host copies.
+        prefix: what every name starts with (stripped before the layer index).
+
+    Returns:
+        How many tensors went where, and their bytes.
+
+    Raises:
+        ExecutionError: a name that is not a parameter or buffer of the layers (or lacks
+            `prefix`), a tensor of another shape, on meta, or not a tensor, or a copy that
+            failed, or an offloaded weight whose host copy this process maps read-only
+            (shared with others: `HostStore.writable`); ``name`` is the tensor's name. For
+            an iterable, the message says how many were written before.
+    """
+    offloaded = {(p.layer, p.name): p for p in plan.offloaded_params}
+    if isinstance(weights, Mapping):
+        targets = [(_target(name, tensor, layers, offloaded, store, prefix), tensor)
+                   for name, tensor in weights.items()]
+        total = sum(_nbytes(tensor) for _, tensor in targets)
+        return _write(targets, Progress("loading weights", total), streamed=False)
+    pairs = ((_target(name, tensor, layers, offloaded, store, prefix), tensor)
+             for name, tensor in _pairs(weights))
+    return _write(pairs, Progress("loading weights", 0), streamed=True)
+
+
+def _pairs(weights: Iterable[object]) -> Iterable[tuple[object, torch.Tensor]]:
+    """The (name, tensor) pairs of `weights`, each checked to be a pair (its parts are
+    checked by `_target`)."""
+    for index, item in enumerate(weights):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ExecutionError(f"load_weights takes a mapping or (name, tensor) pairs; item {index} is "
+                                 f"{type(item).__name__}", name=f"item {index}", value=type(item).__name__)
+        yield item[0], item[1]
+
+
+def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, *, streamed: bool) -> Loaded:
+    host = in_place = nbytes = 0
+    try:
+        for target, tensor in targets:
+            try:
+                with torch.no_grad():
+                    target.dest.copy_(tensor)
+            except Exception as exc:
+                raise ExecutionError(f"load_weights: writing {target.name!r} failed: {exc}", name=target.name,
+                                     value=type(exc).__name__) from exc
+            host += target.host
+            in_place += not target.host
+            nbytes += _nbytes(tensor)
+            progress.advance(_nbytes(tensor))
+    except ExecutionError as exc:
+        written = host + in_place
+        if not streamed and not written:
+            raise
+        raise ExecutionError(f"{exc} ({written} tensors were written before it, {format_bytes(nbytes)}: the model "
+                             "holds their new values and the old ones of the rest)", name=exc.name,
+                             value=exc.value) from exc
+    progress.finish()
+    return Loaded(host_copies=host, in_place=in_place, nbytes=nbytes)
+
+
+def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded: Mapping[tuple[int, str], ParamPlan],
+            store: HostStore, prefix: str) -> _Target:
+    """Where `tensor`, named `name`, goes; every check made before anything is written."""
+    if not isinstance(name, str):
+        raise ExecutionError(f"load_weights: a name must be a str, got {name!r}", name=str(name), value=name)
+    if not isinstance(tensor, torch.Tensor):
+        raise ExecutionError(f"load_weights: {name!r} is a {type(tensor).__name__}, not a tensor", name=name,
+                             value=type(tensor).__name__)
+    if tensor.device.type == "meta":
+        raise ExecutionError(f"load_weights: {name!r} is on the meta device: it has no values to load", name=name,
+                             value="meta")
+    where = f"{len(layers)} wrapped layers"
+    if not name.startswith(prefix):
+        raise ExecutionError(f"load_weights: {name!r} does not start with the prefix {prefix!r}", name=name,
+                             value=prefix)
+    index_text, _, rest = name[len(prefix):].partition(".")
+    if not index_text.isdigit() or not rest or int(index_text) >= len(layers):
+        raise ExecutionError(f"load_weights: {name!r} is not {prefix}<layer index>.<name in the layer> of the {where}",
+                             name=name, value=index_text)
+    layer = int(index_text)
+    module = layers[layer]
+    entry = offloaded.get((layer, rest))
+    dest: torch.Tensor | None
+    if entry is not None:
+        owner = host_owner(entry, store)
+        dest = store.get(owner) if owner is not None else None
+        if dest is None:
+            raise ExecutionError(f"load_weights: {name!r} has no host copy (was it deleted by post-processing?)",
+                                 name=name, value=layer)
+        if owner is not None:
+            refuse_read_only(store, [owner], "load_weights")
+    else:
+        param = find_parameter(module, rest)
+        dest = param.data if param is not None else _buffer(module, rest)
+        if dest is None:
+            raise ExecutionError(f"load_weights: {name!r}: layer {layer} ({type(module).__name__}) has no parameter "
+                                 f"or buffer {rest!r}", name=name, value=layer)
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ExecutionError(f"load_weights: {name!r} is {tuple(tensor.shape)}, the model's is {tuple(dest.shape)}",
+                             name=name, value=tuple(tensor.shape))
+    return _Target(name=name, dest=dest, host=entry is not None)
+
+
+def refuse_read_only(store: HostStore, owners: Iterable[tuple[int, str]], what: str) -> None:
+    """Refuse to write host copies this process maps read-only (shared by another process
+    that wrote them: `HostStore.writable`), before anything is written.
+
+    Raises:
+        ExecutionError: naming the first such weight (``name`` its name, ``value`` its layer).
+    """
+    for layer, name in owners:
+        if not store.writable((layer, name)):
+            raise ExecutionError(
+                f"{what}: layer {layer} parameter {name!r} lives in a host copy shared read-only with other "
+                "processes: call load_weights on the sharing offloader of every member (the leader writes it)",
+                name=name, value=layer)
+
+
+def _buffer(module: nn.Module, name: str) -> torch.Tensor | None:
+    try:
+        found: object = module.get_buffer(name)
+    except AttributeError:
+        return None
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def route_state_dict_loads(holders: Iterable[nn.Module], begin: Callable[[nn.Module], None],
+                           end: Callable[[nn.Module], None]) -> list[Any]:
+    """Hooks that route ``load_state_dict`` of the offloaded parameters into their host
+    copies, wherever the call starts (the model, the stack, a layer or a part of it).
+
+    Args:
+        holders: the modules that hold offloaded parameters directly.
+        begin: called with a holder before torch copies its entries (the executor points
+            the holder's offloaded parameters at their host copies, or refuses).
+        end: called with it after its subtree is loaded (they point back).
+
+    Returns:
+        The hook handles (``remove()`` each on restore).
+    """
+    handles: list[Any] = []
+    for holder in holders:
+
+        def pre(module: nn.Module, *args: Any) -> None:
+            begin(module)
+
+        def post(module: nn.Module, incompatible: Any) -> None:
+            end(module)
+
+        handles.append(holder._register_load_state_dict_pre_hook(pre, with_module=True))  # type: ignore[no-untyped-call]  # unannotated in torch
+        handles.append(holder.register_load_state_dict_post_hook(post))  # type: ignore[no-untyped-call]  # unannotated in torch
+    return handles
