@@ -64,9 +64,10 @@ class Offloader(Protocol):
         ...
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                     prefix: str = "") -> None:
+                     prefix: str = "", skip_read_only: bool = False) -> None:
         """New weights for the wrapped model, without restoring it: offloaded ones into
-        their host copies, the rest in place (`offload.executors.reload`)."""
+        their host copies, the rest in place (`offload.executors.reload`);
+        `skip_read_only` leaves out host copies another process writes."""
         ...
 
     def check(self) -> LiveCheck:

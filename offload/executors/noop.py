@@ -84,16 +84,18 @@ class NoopOffloader:
         """Nothing to prepare: no parameter is offloaded."""
 
     @normal_tensors
-    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+    def load_weights(self, weights: Weights, *, prefix: str = "", skip_read_only: bool = False) -> None:
         """Write new weights into the parameters and buffers of the layers, in place (as
-        the other backends do; nothing is offloaded here).
+        the other backends do; nothing is offloaded here, so `skip_read_only` changes
+        nothing).
 
         Raises:
             ExecutionError: not wrapped, or a name, shape or copy is wrong (see `write_weights`).
         """
         if not self._wrapped:
             raise ExecutionError("load_weights needs a wrapped model", name="state", value="new")
-        write_weights(weights, self._plan, self._layers, HostStore(self._rt, pin=self._plan.pin.method), prefix=prefix)
+        write_weights(weights, self._plan, self._layers, HostStore(self._rt, pin=self._plan.pin.method), prefix=prefix,
+                      skip_read_only=skip_read_only)
 
     def sync_prev_onload(self) -> None:
         """Nothing is ever in flight."""

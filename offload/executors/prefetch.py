@@ -751,7 +751,7 @@ class PrefetchOffloader:
     # ---- new weights ----------------------------------------------------------------
 
     @normal_tensors
-    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+    def load_weights(self, weights: Weights, *, prefix: str = "", skip_read_only: bool = False) -> None:
         """Give the model new weights without restoring it (`offload.executors.reload`):
         offloaded ones into their host copies, resident ones and buffers in place; then,
         after `post_init`, a step's first copies are issued again from the new host
@@ -767,6 +767,9 @@ class PrefetchOffloader:
             weights: a mapping of names to tensors, or (name, tensor) pairs; names as
                 ``nn.ModuleList(layers).state_dict()`` gives them (``"3.mlp.up.weight"``).
             prefix: what every name starts with (e.g. ``"model.layers."``), stripped.
+            skip_read_only: leave out offloaded weights whose host copy this process
+                maps read-only (a follower of a sharing group: its leader writes them;
+                `SharedOffloader.load_weights` passes it); without it they are refused.
 
         Raises:
             ExecutionError: the model is not wrapped (or a restore is unfinished), a CUDA
@@ -785,7 +788,8 @@ class PrefetchOffloader:
         except BaseException as exc:
             raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
         try:
-            loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix)
+            loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
+                                   skip_read_only=skip_read_only)
         except BaseException:
             self._reloaded()  # what was written is what the model computes with
             raise

@@ -61,11 +61,13 @@ class Loaded:
     Attributes:
         host_copies: tensors written into host copies of offloaded parameters.
         in_place: tensors written into resident parameters and buffers.
+        skipped: tensors left to the process that writes their shared host copy.
         nbytes: bytes written (of the weights, in their dtype).
     """
 
     host_copies: int = 0
     in_place: int = 0
+    skipped: int = 0
     nbytes: int = 0
 
 
@@ -76,12 +78,12 @@ class _Target:
     it is a host copy."""
 
     name: str
-    dest: torch.Tensor
+    dest: torch.Tensor | None  # None: left to the process that writes it (`skip_read_only`)
     host: bool
 
 
 def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, *,
-                  prefix: str = "") -> Loaded:
+                  prefix: str = "", skip_read_only: bool = False) -> Loaded:
     """Write every tensor of `weights` where its weight lives (see the module docstring).
 
     A mapping is checked whole before anything is written, so a bad name or shape
@@ -93,9 +95,12 @@ def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Modul
         layers: the wrapped layers.
         store: the host copies.
         prefix: what every name starts with (stripped before the layer index).
+        skip_read_only: leave out (do not refuse) offloaded weights whose host copy this
+            process maps read-only: a follower of a sharing group, whose leader writes them.
 
     Returns:
-        How many tensors went where, and their bytes.
+        How many tensors went where (and how many were left to another process), and
+        their bytes.
 
     Raises:
         ExecutionError: a name that is not a parameter or buffer of the layers (or lacks
@@ -106,11 +111,11 @@ def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Modul
     """
     offloaded = {(p.layer, p.name): p for p in plan.offloaded_params}
     if isinstance(weights, Mapping):
-        targets = [(_target(name, tensor, layers, offloaded, store, prefix), tensor)
+        targets = [(_target(name, tensor, layers, offloaded, store, prefix, skip_read_only), tensor)
                    for name, tensor in weights.items()]
-        total = sum(_nbytes(tensor) for _, tensor in targets)
+        total = sum(_nbytes(tensor) for target, tensor in targets if target.dest is not None)
         return _write(targets, Progress("loading weights", total), streamed=False)
-    pairs = ((_target(name, tensor, layers, offloaded, store, prefix), tensor)
+    pairs = ((_target(name, tensor, layers, offloaded, store, prefix, skip_read_only), tensor)
              for name, tensor in _pairs(weights))
     return _write(pairs, Progress("loading weights", 0), streamed=True)
 
@@ -126,9 +131,12 @@ def _pairs(weights: Iterable[object]) -> Iterable[tuple[object, torch.Tensor]]:
 
 
 def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, *, streamed: bool) -> Loaded:
-    host = in_place = nbytes = 0
+    host = in_place = skipped = nbytes = 0
     try:
         for target, tensor in targets:
+            if target.dest is None:
+                skipped += 1
+                continue
             try:
                 with torch.no_grad():
                     target.dest.copy_(tensor)
@@ -147,11 +155,11 @@ def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, 
                              "holds their new values and the old ones of the rest)", name=exc.name,
                              value=exc.value) from exc
     progress.finish()
-    return Loaded(host_copies=host, in_place=in_place, nbytes=nbytes)
+    return Loaded(host_copies=host, in_place=in_place, skipped=skipped, nbytes=nbytes)
 
 
 def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded: Mapping[tuple[int, str], ParamPlan],
-            store: HostStore, prefix: str) -> _Target:
+            store: HostStore, prefix: str, skip_read_only: bool) -> _Target:
     """Where `tensor`, named `name`, goes; every check made before anything is written."""
     if not isinstance(name, str):
         raise ExecutionError(f"load_weights: a name must be a str, got {name!r}", name=str(name), value=name)
@@ -173,14 +181,13 @@ def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded
     module = layers[layer]
     entry = offloaded.get((layer, rest))
     dest: torch.Tensor | None
+    owner: tuple[int, str] | None = None
     if entry is not None:
         owner = host_owner(entry, store)
         dest = store.get(owner) if owner is not None else None
         if dest is None:
             raise ExecutionError(f"load_weights: {name!r} has no host copy (was it deleted by post-processing?)",
                                  name=name, value=layer)
-        if owner is not None:
-            refuse_read_only(store, [owner], "load_weights")
     else:
         param = find_parameter(module, rest)
         dest = param.data if param is not None else _buffer(module, rest)
@@ -190,6 +197,10 @@ def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ExecutionError(f"load_weights: {name!r} is {tuple(tensor.shape)}, the model's is {tuple(dest.shape)}",
                              name=name, value=tuple(tensor.shape))
+    if entry is not None and owner is not None and not store.writable(owner):
+        if not skip_read_only:
+            refuse_read_only(store, [owner], "load_weights")
+        return _Target(name=name, dest=None, host=True)
     return _Target(name=name, dest=dest, host=entry is not None)
 
 

@@ -504,7 +504,7 @@ class UVAOffloader:
     # ---- new weights ----------------------------------------------------------------
 
     @normal_tensors
-    def load_weights(self, weights: Weights, *, prefix: str = "") -> None:
+    def load_weights(self, weights: Weights, *, prefix: str = "", skip_read_only: bool = False) -> None:
         """Give the model new weights without restoring it (`offload.executors.reload`):
         offloaded ones into their host copies, which UVA views read in place and
         on-demand layers copy from at their next call; resident ones and buffers in place.
@@ -513,6 +513,9 @@ class UVAOffloader:
             weights: a mapping of names to tensors, or (name, tensor) pairs; names as
                 ``nn.ModuleList(layers).state_dict()`` gives them (``"3.mlp.up.weight"``).
             prefix: what every name starts with (e.g. ``"model.layers."``), stripped.
+            skip_read_only: leave out offloaded weights whose host copy this process
+                maps read-only (a follower of a sharing group: its leader writes them;
+                `SharedOffloader.load_weights` passes it); without it they are refused.
 
         Raises:
             ExecutionError: the model is not wrapped (or a restore is unfinished), a CUDA
@@ -530,7 +533,8 @@ class UVAOffloader:
             self._rt.synchronize()  # kernels may be reading the host copies about to be written
         except BaseException as exc:
             raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
-        loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix)
+        loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
+                                   skip_read_only=skip_read_only)
         log.info("load_weights: %d tensors into host copies, %d in place (%s)", loaded.host_copies, loaded.in_place,
                  format_bytes(loaded.nbytes))
 

@@ -1,13 +1,16 @@
 """Process coordination for sharing host copies: torch.distributed, and nothing else.
 
 - `ShareWith`: what the caller passes to ``create_offloader(..., share_with=...)``.
-- `Membership`: this process's rank, a way to gather one object from every member (a
-  collective, once, at ``create_offloader``) and the store; `membership_of` builds the
-  real one from a process group, tests build fakes (threads over one ``HashStore``).
+- `Membership`: this process's rank, the ranks of its sharing group and of its job, a
+  way to gather one object from every member (a collective, at ``create_offloader``)
+  and the store; `membership_of` builds the real one from a process group, tests build
+  fakes (threads over one ``HashStore``).
+- the barrier before every gather is `offload.sharing.arrival.arrive`.
 - `Channel`: the per-host steps after that, as keys in the store. Every wait has a
   timeout (`ShareWith.timeout_s`) and ends in an `ExecutionError` naming the ranks not
   heard from, so a member that failed or died makes the others raise, never hang. A
   member that fails says so in the key the others wait on, so they raise at once.
+- what the followers found comparing their values is `offload.sharing.verdicts.Verdicts`.
 - `host_identity`: hostname, boot id and the shared-memory file system this process sees.
 """
 
@@ -18,7 +21,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, final
 
 import attrs
@@ -65,12 +68,16 @@ class ShareWith:
             weights (data-parallel replicas; never tensor-parallel ranks, which hold
             different shards); None for the default group. Its members on one host map
             one copy; each host has its own.
-        timeout_s: the longest one member waits for another at one step, in seconds (a
-            follower waits up to twice that for the leader's copy: the leader's wait for
-            every follower to map it, then its writing).
+        timeout_s: the longest one member waits for another at one step, in seconds,
+            the gathers of ``create_offloader`` included (a member that never calls it
+            is named by the others when it runs out). A follower waits up to twice that
+            for the leader's copy (the leader's wait for every follower to map it, then
+            its writing), and every member as long for the followers' verdicts.
         verify: followers compare a sample of each of their weights with the shared
-            copy and refuse one that differs; turn off only when followers do not load
-            the weights themselves (the leader's suffice).
+            copy and tell every member of the group what they found: one that differs
+            stops the whole group at that call (`Verdicts`). Turn off only when
+            followers do not load the weights themselves (the leader's suffice); a
+            follower that does not compare tells nothing, and nobody waits for it.
         shm_dir: where segments are made (POSIX shared memory).
         job: the group of every process of the job whose host memory adds up on its
             host (tensor-parallel ranks, which share with different groups, included);
@@ -93,12 +100,22 @@ class ShareWith:
                               name="timeout_s", value=value)
 
 
+def _ranks(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(value)))
+
+
+def _job_ranks(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else _ranks(value)
+
+
 @attrs.frozen(kw_only=True)
 class Membership:
     """This process in its sharing group.
 
     Attributes:
         rank: its global rank (what the store's keys and every message use).
+        ranks: the global ranks of the sharing group (`gather`'s members, `rank`
+            among them), ascending: who `arrive` waits for before each gather.
         gather: one object from every member (a collective over the group).
         store: the key-value store every member reaches (torch.distributed's default).
         host: (hostname, boot id, shared-memory file system id) to report; None: this
@@ -106,13 +123,31 @@ class Membership:
         job_gather: one object from every process of the job (a collective over
             `ShareWith.job`), for the host admission check; None: the sharing group is
             the whole job (`gather`).
+        job_ranks: the global ranks of the job (`job_gather`'s members), ascending;
+            None: `ranks` (the sharing group is the whole job).
+
+    Raises:
+        ConfigError: `rank` is not among `ranks` or `job_ranks`.
     """
 
     rank: int
+    ranks: tuple[int, ...] = attrs.field(converter=_ranks)
     gather: Gather
     store: Store
     host: tuple[str, str, str] | None = None
     job_gather: Gather | None = None
+    job_ranks: tuple[int, ...] | None = attrs.field(default=None, converter=_job_ranks)
+
+    def __attrs_post_init__(self) -> None:
+        for what, ranks in (("ranks", self.ranks), ("job_ranks", self.job_ranks)):
+            if ranks is not None and self.rank not in ranks:
+                raise ConfigError(f"rank {self.rank} is not among the {what} of its membership ({ranks_text(ranks)})",
+                                  name=what, value=self.rank)
+
+    @property
+    def job(self) -> tuple[int, ...]:
+        """The global ranks of the job, ascending (`job_ranks`, else `ranks`)."""
+        return self.job_ranks if self.job_ranks is not None else self.ranks
 
 
 def _gather_over(group: dist.ProcessGroup | None) -> Gather:
@@ -128,7 +163,8 @@ def _gather_over(group: dist.ProcessGroup | None) -> Gather:
 
 def membership_of(group: dist.ProcessGroup | None, job: dist.ProcessGroup | None = None) -> Membership:
     """The real membership: ``all_gather_object`` over `group` (and over `job` for the
-    host admission check; None: the default group) and the default store.
+    host admission check; None: the default group), the ranks of both and the default
+    store.
 
     Raises:
         ExecutionError: torch.distributed is not available or not initialised, or this
@@ -143,8 +179,9 @@ def membership_of(group: dist.ProcessGroup | None, job: dist.ProcessGroup | None
                                  value=dist.get_rank())
     from torch.distributed.distributed_c10d import _get_default_store
 
-    return Membership(rank=dist.get_rank(), gather=_gather_over(group), store=_get_default_store(),
-                      job_gather=_gather_over(job))
+    return Membership(rank=dist.get_rank(), ranks=dist.get_process_group_ranks(group), gather=_gather_over(group),
+                      store=_get_default_store(), job_gather=_gather_over(job),
+                      job_ranks=dist.get_process_group_ranks(job))  # None: the default group's
 
 
 def host_identity(shm_dir: str = SHM_DIR) -> tuple[str, str, str]:

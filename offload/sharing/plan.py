@@ -6,7 +6,8 @@ No torch, no environment, no files: the shell (`offload.sharing.offloader`) gath
 - `weights_of`: the offloaded weights every member must hold identically, and
   `weights_digest`, their fingerprint (with the segment's alignment and pinning).
 - `lay_out`: where each host copy lies in the host's one shared segment (`SegmentLayout`).
-- `mismatched` / `describe_mismatch`: which members differ, and how, in words.
+- `mismatched` / `describe_mismatch`: which members differ, and how, in words;
+  `describe_differences`: which followers hold other values than their host's copy.
 - `plan_sharing`: who shares with whom, who writes, the bytes per process and per host
   (`SharingPlan`).
 """
@@ -34,6 +35,7 @@ __all__ = [
     "SharingPlan",
     "Slot",
     "WeightEntry",
+    "describe_differences",
     "describe_mismatch",
     "lay_out",
     "mismatched",
@@ -161,6 +163,8 @@ class MemberInfo:
         storages: host copies in its layout.
         host_bytes: its plan's host bytes (one process's copies without sharing).
         segment_bytes: its layout's total bytes.
+        verify: as a follower, it compares a sample of its values with the copy and
+            tells every member what it found (`ShareWith.verify`).
     """
 
     rank: int
@@ -173,6 +177,7 @@ class MemberInfo:
     storages: int
     host_bytes: int
     segment_bytes: int
+    verify: bool = True
 
     @property
     def host_key(self) -> tuple[str, str, str]:
@@ -209,6 +214,35 @@ def describe_mismatch(reference: int, theirs: Sequence[WeightEntry], rank: int, 
     longer, who = (ours, rank) if len(ours) > len(theirs) else (theirs, reference)
     return (f"rank {reference} offloads {len(theirs)} parameters, rank {rank} offloads {len(ours)} (the first only "
             f"rank {who} has: {_entry_text(longer[min(len(ours), len(theirs))])})")
+
+
+#: Ranks whose differences are told one by one (the rest are counted).
+_RANKS_NAMED = 3
+
+
+def describe_differences(differ: Sequence[tuple[int, int, tuple[int, str], int]], what: str, left: str) -> str:
+    """Why every member of the group refuses `what`, in words.
+
+    Args:
+        differ: per rank whose values differ from its host's copy: (rank, the leader
+            that wrote the copy, the first weight that differs as (layer, name), how
+            many weights differ), in rank order.
+        what: the lifecycle call refused ("wrap_modules", "post_init").
+        left: what the refused call leaves on the member that raises, in words.
+
+    Returns:
+        One message, the same on every member but for `left`.
+    """
+    parts = []
+    for rank, leader, (layer, name), count in differ[:_RANKS_NAMED]:
+        more = f", and {count - 1} more" if count > 1 else ""
+        parts.append(f"rank {rank}'s weights differ from the shared host copy rank {leader} wrote (layer {layer} "
+                     f"parameter {name!r}{more}; a sample of their values)")
+    if len(differ) > _RANKS_NAMED:
+        parts.append(f"and those of {len(differ) - _RANKS_NAMED} more ranks")
+    return (f"refusing {what} on every member of the sharing group: {'; '.join(parts)}. Members of a sharing group "
+            "must hold identical weights (tensor-parallel ranks hold different shards: never put them in one "
+            f"group); {left}")
 
 
 @attrs.frozen(kw_only=True)
@@ -253,6 +287,9 @@ class SharingPlan:
         job: the host memory of every process of the job (`ShareWith.job`), per
             machine, and whether it fits (`offload.sharing.admission.assess_job`); None
             until it is gathered at ``create_offloader``.
+        verifiers: the followers of the whole group (every host) that compare their
+            values with their host's copy, ascending: every member waits for what they
+            found before ``wrap_modules`` and ``post_init`` return.
     """
 
     rank: int
@@ -268,6 +305,7 @@ class SharingPlan:
     session: str
     timeout_s: float
     job: JobMemory | None = None
+    verifiers: tuple[int, ...] = ()
 
     @property
     def leader(self) -> int:
@@ -332,9 +370,13 @@ def plan_sharing(infos: Sequence[MemberInfo], rank: int, *, timeout_s: float) ->
         shared = True
         reason = (f"ranks {ranks_text(local.ranks)} on host {me.host} map one host copy, written by rank "
                   f"{local.leader}")
+    # Every member computes the same: the digests (segment bytes included) are equal.
+    verifiers = () if me.segment_bytes == 0 else tuple(
+        r for h in hosts for r in h.ranks[1:] if by_rank[r].verify)
     return SharingPlan(rank=rank, group_ranks=tuple(sorted(by_rank)), hosts=hosts, local=local, shared=shared,
                        reason=reason, digest=me.digest, storages=me.storages, host_bytes=me.host_bytes,
-                       segment_bytes=me.segment_bytes if shared else 0, session=session, timeout_s=timeout_s)
+                       segment_bytes=me.segment_bytes if shared else 0, session=session, timeout_s=timeout_s,
+                       verifiers=tuple(sorted(verifiers)))
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

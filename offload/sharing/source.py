@@ -9,23 +9,29 @@ It is the `HostSource` a member's `HostStore` asks before its runtime:
   gives nothing (the runtime's private memory, which the loader may write; `post_init`
   moves it to the slot and releases it).
 
+`slot_moves` finds a follower's weights outside the segment that fit a written slot (and
+those whose sample differs): what it compares before it moves anything.
+
 Where a weight no longer fits its slot (post-processing gave it another shape, strides
 or dtype) the source answers None and the store makes a private copy, as without sharing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import final
 
 import torch
+from torch import nn
 
 from offload.errors import ExecutionError
-from offload.executors.common import torch_dtype
+from offload.executors.common import find_parameter, torch_dtype
 from offload.executors.hoststore import Ref
 from offload.protocols import RegisteredRanges
 from offload.pure.decisions import PinMethod
+from offload.pure.plan import OffloadPlan
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError
 from offload.sharing.pinning import (
     HOST_REGISTER_DEFAULT,
@@ -38,7 +44,7 @@ from offload.sharing.pinning import (
 from offload.sharing.plan import SegmentLayout, Slot
 from offload.sharing.segment import SegmentMapping
 
-__all__ = ["SAMPLE_PER_DIM", "SharedHostSource", "same_sample"]
+__all__ = ["SAMPLE_PER_DIM", "SharedHostSource", "same_sample", "slot_moves"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +131,7 @@ class SharedHostSource:
         self._pending: set[Ref] = set()  # leader: slots given to a loader, not written yet
         self._allowed: set[Ref] = set()  # follower: slots the leader has written
         self._read_only: bool | None = None  # follower: the device takes read-only registration (asked once)
+        self._writing = False  # leader: writing new weights into the segment (`writing`)
         self.fallbacks = 0  # slots whose registration failed or was not possible (they stay pageable)
 
     @property
@@ -178,6 +185,24 @@ class SharedHostSource:
         """True when `tensor`'s data lies in the segment."""
         return self._mapping is not None and self._mapping.contains(tensor)
 
+    def writable(self, host: torch.Tensor) -> bool:
+        """Whether this process may write `host` in place (`HostSource.writable`): memory
+        of its own, or the segment on the leader while it writes new weights for every
+        member (`writing`). A follower maps the segment read-only; the leader must not
+        write it while followers' copies may read it (`SharedOffloader.load_weights`
+        makes them stop first)."""
+        return not self.owns(host) or (self._leader and self._writing)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Leader: the segment may be written in place meanwhile (every follower has
+        stopped reading it: `SharedOffloader.load_weights`)."""
+        self._writing = True
+        try:
+            yield
+        finally:
+            self._writing = False
+
     def slot_view(self, ref: Ref) -> torch.Tensor | None:
         """Follower: the slot's tensor for `ref` if the leader has written it, else None."""
         slot = self._layout.slot(ref)
@@ -212,9 +237,10 @@ class SharedHostSource:
             self._pending.discard(ref)
         elif self._verify and not same_sample(tensor, view):
             raise ExecutionError(
-                f"rank {self._rank}'s weight differs from the shared host copy rank {self._leader_rank} wrote (a "
-                "sample of its values): members of a sharing group must hold identical weights (tensor-parallel "
-                "ranks hold different shards: never put them in one group)", name="share_with", value=self._rank)
+                f"rank {self._rank}'s weight layer {ref[0]} parameter {ref[1]!r} differs from the shared host copy "
+                f"rank {self._leader_rank} wrote (a sample of its values): members of a sharing group must hold "
+                "identical weights (tensor-parallel ranks hold different shards: never put them in one group)",
+                name="share_with", value=self._rank)
         return view
 
     def empty(self, ref: Ref, like: torch.Tensor) -> torch.Tensor | None:
@@ -313,3 +339,47 @@ class SharedHostSource:
         if self._mapping is not None:
             self._mapping.drop()
             self._mapping = None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (tuple(a.shape), tuple(a.stride()), a.dtype) == (tuple(b.shape), tuple(b.stride()), b.dtype)
+
+
+def slot_moves(plan: OffloadPlan, layers: Sequence[nn.Module], layout: SegmentLayout,
+               source: SharedHostSource) -> tuple[list[tuple[list[nn.Parameter], torch.Tensor]], list[Ref]]:
+    """A follower's offloaded weights that could point at the leader's copy, and those
+    that differ from it.
+
+    Args:
+        plan: the plan of `layers` (its offloaded parameters, ties included).
+        layers: the follower's layers.
+        layout: the segment's slots.
+        source: the follower's source, attached, with the slots the leader wrote allowed.
+
+    Returns:
+        (each owner's parameters, ties kept, with its slot's tensor, for every owner whose
+        data is outside the segment and fits a written slot; the owners among them whose
+        sample differs from the slot, where `source` verifies), both in plan order.
+        Weights on meta, or that changed shape, stay private and are in neither.
+    """
+    owners: dict[Ref, list[nn.Parameter]] = {}
+    for p in plan.offloaded_params:
+        param = find_parameter(layers[p.layer], p.name) if p.layer < len(layers) else None
+        if param is None:
+            continue  # layers that do not match the plan: the executor refuses them
+        members = owners.setdefault(p.tied_to or (p.layer, p.name), [])
+        if all(param is not seen for seen in members):
+            members.append(param)
+    moves: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+    differ: list[Ref] = []
+    for owner, params in owners.items():
+        data = params[0].data
+        if source.owns(data) or data.device.type == "meta" or layout.slot(owner) is None:
+            continue
+        view = source.slot_view(owner)
+        if view is None or not _same_layout(data, view):
+            continue  # not written by the leader, or changed shape: stays private
+        if source.verify and not same_sample(data, view):
+            differ.append(owner)
+        moves.append((params, view))
+    return moves, differ

@@ -23,6 +23,7 @@ class _Gathering:
     """One collective's members (global ranks): ``gather(rank)`` is a member's gather."""
 
     def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
         self._ranks = list(ranks)
         self._barrier = threading.Barrier(len(ranks))
         self._slots: dict[int, object] = {}
@@ -57,8 +58,9 @@ def run_job(groups: Sequence[Sequence[int]], member: Callable[[int, Membership],
     of_rank = {r: gathering for g, gathering in zip(groups, gatherings, strict=True) for r in g}
 
     def body(rank: int) -> T:
-        membership = Membership(rank=rank, gather=of_rank[rank].gather(rank), store=store,
-                                host=hosts[rank] if hosts is not None else None, job_gather=job.gather(rank))
+        membership = Membership(rank=rank, ranks=of_rank[rank].ranks, gather=of_rank[rank].gather(rank), store=store,
+                                host=hosts[rank] if hosts is not None else None, job_gather=job.gather(rank),
+                                job_ranks=range(size))
         return member(rank, membership)
 
     return run_threads(size, body)

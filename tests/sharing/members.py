@@ -45,7 +45,7 @@ class ThreadGroup:
             self._barrier.wait(JOIN_S)
             return out
 
-        return Membership(rank=rank, gather=gather, store=self.store,
+        return Membership(rank=rank, ranks=range(self.size), gather=gather, store=self.store,
                           host=self.hosts[rank] if self.hosts is not None else None)
 
 

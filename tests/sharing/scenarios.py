@@ -27,8 +27,8 @@ from offload.sharing.measure import segment_memory
 from tests.executors.helpers import assert_restored, cpu_plan, snapshot
 from tests.executors.models import bits, layer_list, transformer_model
 
-__all__ = ["CONFIGS", "HIDDEN_BIG", "Make", "Sync", "build", "engine", "expect_failure", "inputs_of", "parity", "shared",
-           "untouched"]
+__all__ = ["CONFIGS", "HIDDEN_BIG", "Make", "Sync", "build", "engine", "expect_failure", "inputs_of", "parity", "reload",
+           "shared", "untouched"]
 
 #: Hidden size of the models whose memory is measured: large enough that slot padding
 #: and page rounding are well under a percent of the bytes shared.
@@ -156,6 +156,40 @@ def engine(rank: int, make: Make, sync: Sync, *, kind: str, layers: int = 4, hid
     return {"equal": equal, "loaded_in_segment": loaded_inside, "in_segment": inside, "offloaded": offloaded,
             "host_bytes": plan.host_bytes, "memory": memory, "restored_bits": same,
             "leader": off.sharing.role == "leader"}
+
+
+def reload(rank: int, make: Make, sync: Sync, *, kind: str, layers: int = 4, hidden: int = HIDDEN_BIG,
+           seed: int = 0) -> dict[str, Any]:
+    """Offload with sharing and run; every member gives the model new weights with
+    `load_weights` (a reload after an update); run against a resident model holding them,
+    see where the real weights are, restore. ``model.load_state_dict`` is tried first,
+    which a member of a sharing group refuses (the copy is shared)."""
+    model = build(layers, seed=seed, hidden=hidden)
+    fresh = build(layers, seed=seed + 7, hidden=hidden)
+    plan = cpu_plan(model, CONFIGS[kind])
+    off = shared(make(plan))
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    for x in inputs_of(seed + 1, hidden):
+        model(x)  # the slots hold the old weights
+    try:
+        model.load_state_dict(fresh.state_dict())
+        refused = ""
+    except ExecutionError as exc:
+        refused = str(exc)
+    before_reload = [bool(torch.equal(model(x), fresh(x))) for x in inputs_of(seed + 2, hidden)]
+    sync()  # every member ran with the old weights before the leader writes
+    off.load_weights(fresh.state_dict())
+    equal = [bool(torch.equal(model(x), fresh(x))) for x in inputs_of(seed + 3, hidden)]
+    inside, offloaded = _in_segment(off, model)
+    state = model.state_dict()
+    state_equal = all(torch.equal(bits(state[n]), bits(t)) for n, t in fresh.state_dict().items())
+    sync()  # nobody restores (and lets go of the segment) before every member ran
+    off.restore()
+    restored = all(torch.equal(bits(p), bits(fresh.get_parameter(n))) for n, p in model.named_parameters())
+    return {"leader": off.sharing.role == "leader", "refused": refused, "before_reload": before_reload,
+            "equal": equal, "in_segment": inside, "offloaded": offloaded, "state_equal": state_equal,
+            "restored_bits": restored}
 
 
 def untouched(model: nn.Module, before: dict[str, Any]) -> bool:

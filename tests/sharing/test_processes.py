@@ -1,8 +1,8 @@
 """Sharing across real processes on this machine: 2 and 4 ranks over torch.distributed
 (gloo, a FileStore), each building the same seeded model. Outputs bit for bit, the
 memory the one copy takes (Pss summed over ranks), restore, and what a killed or
-mismatched member does to the others. Every test leaves /dev/shm as it found it
-(conftest)."""
+mismatched member does to the others (one that never comes: `test_arrival.py`). Every
+test leaves /dev/shm as it found it (conftest)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,6 @@ def test_mismatched_members_are_refused_by_name(tmp_path: Path) -> None:
     for r in (leader, follower):
         assert "rank 1 differ from rank 0's" in r["refused"]
         assert "layer 1 parameter 'mlp.down.weight'" in r["refused"] and "bfloat16" in r["refused"]
-    assert leader["ran"]
-    assert "rank 1's weight differs from the shared host copy rank 0 wrote" in follower["differs"]
-    assert follower["untouched"]
+    for r in (leader, follower):  # other values of the same shapes: refused at wrap_modules on both
+        assert "rank 1's weights differ from the shared host copy rank 0 wrote" in r["differs"]
+        assert r["restored"]

@@ -3,6 +3,7 @@ in this process, and page-locking as the plan says through fake CUDA calls."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -83,7 +84,8 @@ def test_a_follower_weight_that_differs_is_refused_and_one_that_does_not_fit_goe
     follow.allow([ref])
     other = w[ref].clone()
     other.view(-1)[-1] += 1  # the last element is sampled
-    with pytest.raises(ExecutionError, match="rank 1's weight differs from the shared host copy rank 0 wrote"):
+    named = re.escape(f"rank 1's weight layer {ref[0]} parameter {ref[1]!r} differs from the shared host copy rank 0")
+    with pytest.raises(ExecutionError, match=named):
         follow.copy(ref, other)
     assert follow.copy(ref, w[ref].double()) is None
     assert lead.copy(ref, w[ref].t()) is None  # another stride: a private copy, on the leader too

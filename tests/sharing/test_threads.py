@@ -227,24 +227,20 @@ def test_a_member_offloading_other_layers_is_refused_by_name() -> None:
     assert "rank 1 has layer 1 parameter 'attn.norm.weight'" in message
 
 
-def test_same_shapes_other_values_a_tensor_parallel_mistake_is_refused_on_the_follower() -> None:
+def test_same_shapes_other_values_a_tensor_parallel_mistake_is_refused_on_every_member() -> None:
     def member(rank: int, m: Membership) -> tuple[str, bool]:
         model = build(2, hidden=32, seed=rank)  # same shapes, different values
         before = snapshot(model)
         off = share_offloader(cpu_plan(model, CONFIGS["prefetch"]), CpuRuntime(), ShareWith(timeout_s=PATIENT_S),
                               membership=m)
-        if rank == 0:
-            off.wrap_modules(layer_list(model))
-            off.post_init()
-            off.restore()
-            return "", True
         message, _ = expect_failure(lambda: off.wrap_modules(layer_list(model)))
         return message, untouched(model, before)
 
-    (_, _), (message, same) = (o.get() for o in run_members(2, member))
-    assert "rank 1's weight differs from the shared host copy rank 0 wrote" in message
-    assert "tensor-parallel" in message and "layer 0 parameter" in message
-    assert same  # the follower's model is as it was
+    (leader, _), (follower, same) = (o.get() for o in run_members(2, member))
+    for message in (leader, follower):  # the leader does not run on (tests/sharing/test_verdict.py: the rest)
+        assert "rank 1's weights differ from the shared host copy rank 0 wrote" in message
+        assert "tensor-parallel" in message and "layer 0 parameter" in message
+    assert same  # the follower's model is as it was, addresses included
 
 
 def test_the_leader_failing_before_publishing_makes_followers_raise_at_once() -> None:

@@ -11,8 +11,11 @@ Scenarios (``run(rank, world, out_dir, **kwargs) -> dict``):
   the segment and before it is written; followers must raise within the timeout.
 - ``follower_killed``: after everyone ran, rank 1 dies; the others must keep working.
 - ``mismatch``: rank 1 offloads a weight of another dtype (refused on both at
-  create_offloader), then holds other values of the same shapes (refused on rank 1 at
-  wrap_modules; rank 0 runs on).
+  create_offloader), then holds other values of the same shapes (refused on both at
+  wrap_modules, each model left as it was).
+- ``absent``: rank 2 never calls create_offloader (it stays alive until the others are
+  done, so that nothing but a timeout can end their wait); the others must raise within
+  the sharing timeout, naming it, long before gloo's.
 - ``job_admission``, ``job_failure``: the job's host admission, `tests.sharing.job_workers`.
 - ``cuda``: on a CUDA machine (the GPU tier, `tests/gpu/test_sharing_gpu.py`): a plan
   for this machine (pinning as it decides), weights from the host, forwards on the
@@ -42,12 +45,14 @@ from offload.sharing import ShareWith
 from tests.executors.helpers import assert_restored, cpu_plan, snapshot
 from tests.executors.models import layer_list
 from tests.sharing.job_workers import JOB_SCENARIOS
-from tests.sharing.scenarios import CONFIGS, build, engine, expect_failure, inputs_of, parity, shared, untouched
+from tests.sharing.scenarios import CONFIGS, build, engine, expect_failure, inputs_of, parity, reload, shared, untouched
 
-__all__ = ["SCENARIOS", "rank_main"]
+__all__ = ["GLOO_TIMEOUT_S", "PATIENT_S", "SCENARIOS", "TIMEOUT_S", "rank_main"]
 
 #: Seconds a member waits for another where a test waits for a timeout to run out.
 TIMEOUT_S = 2.0
+#: Seconds gloo's collectives wait (the process group's timeout).
+GLOO_TIMEOUT_S = 30.0
 #: Seconds a member waits for another elsewhere: generous, so that a loaded machine
 #: cannot fail a test whose members all answer.
 PATIENT_S = 20.0
@@ -70,6 +75,10 @@ def _parity(rank: int, world: int, out_dir: Path, *, kinds: list[str]) -> dict[s
 
 def _engine(rank: int, world: int, out_dir: Path, *, kind: str) -> dict[str, Any]:
     return engine(rank, _make(), _sync, kind=kind, measure=True)
+
+
+def _reload(rank: int, world: int, out_dir: Path, *, kinds: list[str]) -> dict[str, Any]:
+    return {kind: reload(rank, _make(), _sync, kind=kind) for kind in kinds}
 
 
 def _leader_killed(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
@@ -136,15 +145,33 @@ def _mismatch(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
     other: nn.Sequential = build(2, hidden=32, seed=rank)  # same shapes, other values
     before = snapshot(other)
     off = create_offloader(cpu_plan(other, CONFIGS["uva"]), share_with=ShareWith(timeout_s=PATIENT_S))
-    if rank == 0:
-        off.wrap_modules(layer_list(other))
-        off.post_init()
-        x = next(inputs_of(1, 32))
-        out = other(x)
-        off.restore()
-        return {"refused": refused, "ran": bool(torch.equal(out, other(x)))}
-    differs, _ = expect_failure(lambda: off.wrap_modules(layer_list(other)))
-    return {"refused": refused, "differs": differs, "untouched": untouched(other, before)}
+    differs, _ = expect_failure(lambda: off.wrap_modules(layer_list(other)))  # on both: the leader too
+    try:
+        assert_restored(other, before, same_storage=rank == 1)  # the follower moved nothing at all
+        restored = True
+    except AssertionError:
+        restored = False
+    return {"refused": refused, "differs": differs, "restored": restored}
+
+
+def _absent(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
+    if rank == 2:
+        deadline = time.monotonic() + GLOO_TIMEOUT_S + 10
+        while not all((out_dir / f"done-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"absent": True}
+    plan = cpu_plan(build(2, hidden=32), CONFIGS["prefetch"])
+    start = time.monotonic()
+    try:
+        create_offloader(plan, share_with=ShareWith(timeout_s=TIMEOUT_S))
+        outcome: dict[str, Any] = {"type": None}
+    except Exception as exc:  # any kind: the test asserts which
+        value = getattr(exc, "value", None)
+        outcome = {"type": type(exc).__name__, "error": str(exc),
+                   "value": list(value) if isinstance(value, tuple) else value}
+    outcome["seconds"] = time.monotonic() - start
+    (out_dir / f"done-{rank}").write_text("")
+    return outcome
 
 
 def _cuda(rank: int, world: int, out_dir: Path, *, kind: str) -> dict[str, Any]:
@@ -187,9 +214,11 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "cuda": _cuda,
     "parity": _parity,
     "engine": _engine,
+    "reload": _reload,
     "leader_killed": _leader_killed,
     "follower_killed": _follower_killed,
     "mismatch": _mismatch,
+    "absent": _absent,
     **JOB_SCENARIOS,  # the job's host admission (tests.sharing.job_workers)
 }
 
@@ -201,7 +230,7 @@ def rank_main(rank: int, world: int, store_path: str, out_dir: str, scenario: st
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=30))
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
         with torch.no_grad():
             result = {"ok": True, "result": SCENARIOS[scenario](rank, world, out, **kwargs)}
     except BaseException as exc:  # reported to the test, which asserts on it
