@@ -18,7 +18,7 @@ only wait or issue copies. A compile path that functionalises without re-inplaci
 (``backend="aot_eager"``) hands the ops fresh copies of the parameters and writes the
 copies' final values back into the parameters after the graph. The ops then keep their
 promise literally: the wait copies the layer's weights into what it was handed, and the
-start lets its copy land first (`sync_prev_onload`) and copies the result, so the
+start lets its copy land first (`PrefetchTarget.wait_for_copies`) and copies the result, so the
 write-back puts back exactly what the buffers hold. That is correct and slow (a debugging
 backend); it is logged once, and it cannot run inside a CUDA graph capture.
 
@@ -97,8 +97,8 @@ class PrefetchTarget(Protocol):
         """Issue the copy the schedule names after the layer's forward."""
         ...
 
-    def sync_prev_onload(self) -> None:
-        """Block until every copy issued so far is done."""
+    def wait_for_copies(self) -> None:
+        """Block until every copy issued so far is done (nothing else: mid-forward)."""
         ...
 
 
@@ -270,7 +270,7 @@ def start_prefetch(activation: torch.Tensor, weights: list[torch.Tensor], handle
     if not pairs:
         return
     try:
-        offloader.sync_prev_onload()
+        offloader.wait_for_copies()
     except ExecutionError:
         raise
     except RuntimeError as exc:

@@ -31,6 +31,7 @@ from torch import nn
 from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
+from offload.executors.bound import Bound, Check, compile_check, first_changed
 from offload.executors.common import (
     Lifecycle,
     Patched,
@@ -67,7 +68,14 @@ from offload.executors.moving import (
     take_replacements,
     unmark,
 )
-from offload.executors.reload import Weights, refuse_read_only, route_state_dict_loads, write_weights
+from offload.executors.reload import (
+    Weights,
+    begin_load,
+    log_loaded,
+    refuse_read_only,
+    route_state_dict_loads,
+    write_weights,
+)
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, PreparedCopies, Runtime
 from offload.pure.blocks import Span, merge_spans, slot_arenas
@@ -75,7 +83,6 @@ from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan
 from offload.pure.revise import revise_plan
 from offload.pure.spec import ParamSpec
-from offload.pure.units import format_bytes
 from offload.runtime.arena import CAN_CARVE, carve
 from offload.stats import OffloadStats
 
@@ -84,11 +91,6 @@ __all__ = ["PrefetchOffloader"]
 log = logging.getLogger(__name__)
 
 Chunks = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # one copy: its (destination, source) memcpys
-
-#: One offloaded parameter as post_init bound it: (the ``_parameters`` dict of the module
-#: holding it, its key there, the Parameter, its data pointer (a slot buffer's), its
-#: version counter then).
-Bound = tuple[dict[str, Any], str, nn.Parameter, int, int]
 
 
 @final
@@ -128,6 +130,8 @@ class PrefetchOffloader:
         # run (`_wait_at`), and their names within the layer, for messages.
         self._bound: list[list[Bound]] = []
         self._bound_names: list[list[str]] = []
+        self._checks: list[Check] = []  # position -> its check (`offload.executors.bound`), versions included
+        self._checks_traced: list[Check] = []  # the same without versions, for the custom ops' path
         # id of an offloaded Parameter -> (it, the owner of its host copy): what a
         # conversion (`model.to()`, `_apply`) converts instead of its slot (post_init).
         self._convert_from: dict[int, tuple[nn.Parameter, Ref]] = {}
@@ -149,9 +153,9 @@ class PrefetchOffloader:
         self._pending: dict[int, tuple[Event, bool]] = {}
         self._landed: set[int] = set()
         self._position_of: dict[int, int] = {}  # offloaded layer -> schedule position (post_init)
-        self._last_position = -1  # the last schedule position, whose run ends a step (post_init)
         self._next_after: tuple[int | None, ...] = ()  # the schedule's next_after, kept positions left out (post_init)
         self._kept: tuple[bool, ...] = ()  # position -> whether it is kept (the only owner of its slot; post_init)
+        self._successor: tuple[int, ...] = ()  # position -> the position expected after it (post_init)
         self._dropped = 0
         # The schedule position expected next, and whether layers get their copy when
         # they run until the next step begins (see `_realign`).
@@ -277,6 +281,8 @@ class PrefetchOffloader:
         self._copies = []
         self._bound = []
         self._bound_names = []
+        self._checks = []
+        self._checks_traced = []
         self._convert_from = {}
         self._slot_params = {}
         self._copy_bytes = []
@@ -360,8 +366,8 @@ class PrefetchOffloader:
         # stays loaded: no copy is issued for it again (`PrefetchSchedule.issued_after`).
         kept = plan.schedule.kept_positions
         self._kept = tuple(i in kept for i in range(len(plan.offloaded_layers)))
+        self._successor = tuple((i + 1) % len(plan.offloaded_layers) for i in range(len(plan.offloaded_layers)))
         self._next_after = plan.schedule.issued_after
-        self._last_position = len(plan.offloaded_layers) - 1
         copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
         slot_params: dict[int, list[nn.Parameter]] = {}
         bound: list[tuple[ParamPlan, nn.Parameter]] = []
@@ -413,6 +419,17 @@ class PrefetchOffloader:
             self._bound[position].append((holder._parameters, leaf, param, param.data_ptr(), param._version))
             self._bound_names[position].append(p.name)
             self._convert_from[id(param)] = (param, owner)
+        self._compile_checks()
+
+    def _compile_checks(self, positions: Sequence[int] | None = None) -> None:
+        """(Re)generate the checks of `positions` (None: all) from `_bound`."""
+        if positions is None:
+            self._checks = [compile_check(entries, versions=True) for entries in self._bound]
+            self._checks_traced = [compile_check(entries, versions=False) for entries in self._bound]
+            return
+        for position in positions:
+            self._checks[position] = compile_check(self._bound[position], versions=True)
+            self._checks_traced[position] = compile_check(self._bound[position], versions=False)
 
     def _patch_conversions(self) -> None:
         """Make conversions of the offloaded parameters convert their host copies.
@@ -505,14 +522,13 @@ class PrefetchOffloader:
                     self._wait_at(position, self._rt.is_capturing())
                 out = forward(*args, **kwargs)
                 with torch.profiler.record_function(f"offload.copy after layer {layer}"):
-                    self._after(position)
+                    if not self._recovering:
+                        self._start_at(position, self._rt.is_capturing())
                 return out
             self._wait_at(position, self._rt.is_capturing())
             out = forward(*args, **kwargs)
             if not self._recovering:
                 self._start_at(position, self._rt.is_capturing())
-            if position == self._last_position and self._step_log.active:
-                self._step_log.step(self._steps, self.stats)
             return out
 
         return offloaded_forward
@@ -616,24 +632,32 @@ class PrefetchOffloader:
         """`wait_layer` of the layer at schedule `position`, `capturing` as the runtime
         says; `eager`: the layer is called directly, not through the custom ops."""
         if position == 0:
+            if self._step_log.active and self._steps:
+                self._step_log.step(self._steps, self.stats)  # the steps finished so far, their copies counted
             self._steps += 1
         if capturing:
             self._check_capturable()
         # Each offloaded parameter is still the one its module holds, still points at its
         # slot, and was not written in place (its version counter; not under the ops,
         # whose declared mutations of the slot tensors move it: see `offload.executors.ops`).
-        for params, leaf, param, pointer, version in self._bound[position]:
-            if params.get(leaf) is not param or param.data_ptr() != pointer or (eager and param._version != version):
-                self._refuse_changed(position, param)
-        expected, self._expected = self._expected, (position + 1) % len(self._copies)
-        if (position != expected or self._recovering
-                or (position not in self._landed and position not in self._pending)):
+        if not (self._checks[position] if eager else self._checks_traced[position])():
+            self._refuse_changed(position, eager)
+        expected = self._expected
+        self._expected = self._successor[position]
+        if position != expected or self._recovering:
             self._realign(position, expected, capturing)
-        if position in self._landed:
-            if not self._kept[position]:  # a kept position's slot stays loaded (its only owner)
+        entry = self._pending.pop(position, None)
+        if entry is None:
+            if position in self._landed:  # its copy was joined at the end of a capture
                 self._landed.discard(position)
-            return
-        done, in_capture = self._pending.pop(position)
+                return
+            self._realign(position, expected, capturing)  # no copy in flight for it
+            entry = self._pending.pop(position)
+        if self._kept[position]:
+            # A kept position (the only owner of its slot) keeps its one copy's event: every
+            # step waits on it again (free once done), on whatever stream runs the layer then.
+            self._pending[position] = entry
+        done, in_capture = entry
         if capturing == in_capture:
             try:
                 self._rt.wait(done)
@@ -643,8 +667,6 @@ class PrefetchOffloader:
                     "forward")
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on: issued before the capture, sync_prev_onload made sure it landed.
-        if self._kept[position]:
-            self._landed.add(position)
 
     def _record(self) -> Event:
         try:
@@ -652,11 +674,11 @@ class PrefetchOffloader:
         except BaseException as exc:
             raise_as_execution_error(exc, "recording an event on the compute stream failed", "forward")
 
-    def _refuse_changed(self, position: int, param: nn.Parameter) -> NoReturn:
+    def _refuse_changed(self, position: int, eager: bool) -> NoReturn:
         """Raise for the first bound parameter of `position` that changed after post_init."""
         layer = self._plan.offloaded_layers[position]
-        index = next(i for i, entry in enumerate(self._bound[position]) if entry[2] is param)
-        params, leaf, _, pointer, _ = self._bound[position][index]
+        index = max(first_changed(self._bound[position], versions=eager), 0)
+        params, leaf, param, pointer, _ = self._bound[position][index]
         name = self._bound_names[position][index]
         now = params.get(leaf)
         if now is not param:
@@ -727,17 +749,8 @@ class PrefetchOffloader:
         """After `layer` ran: issue the copy the schedule names next (called by the op);
         nothing while the schedule is being realigned."""
         position = self._position(layer)
-        if position is not None:
-            self._after(position)
-
-    def _after(self, position: int) -> None:
-        """After the layer at `position` ran: the copy the schedule names next (none while
-        realigning), and the periodic stats line once a step's last offloaded layer ran
-        (its copies are all counted then)."""
-        if not self._recovering:
+        if position is not None and not self._recovering:
             self._start_at(position, self._rt.is_capturing())
-        if position == self._last_position and self._step_log.active:
-            self._step_log.step(self._steps, self.stats)
 
     def _start_at(self, position: int, capturing: bool) -> None:
         """`start_after_layer` of the layer at schedule `position` (not while realigning)."""
@@ -776,17 +789,7 @@ class PrefetchOffloader:
                 graph is being captured, or a name, shape or copy is wrong (see
                 `write_weights`; a mapping is checked whole before anything is written).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
-            if self._state is Lifecycle.RESTORING:
-                raise unfinished_restore("load_weights cannot write")
-            raise ExecutionError(f"load_weights needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
-        if self._rt.is_capturing():
-            raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
-        try:
-            self._rt.synchronize()  # copies in flight read the host copies about to be written
-        except BaseException as exc:
-            raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
+        begin_load(self._state, self._rt)
         try:
             loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
                                    skip_read_only=skip_read_only)
@@ -794,8 +797,7 @@ class PrefetchOffloader:
             self._reloaded()  # what was written is what the model computes with
             raise
         self._reloaded()
-        log.info("load_weights: %d tensors into host copies, %d in place (%s)", loaded.host_copies, loaded.in_place,
-                 format_bytes(loaded.nbytes))
+        log_loaded(loaded)
 
     def _route_begin(self, holder: nn.Module) -> None:
         """``load_state_dict`` reaches `holder`: point its offloaded parameters at their
@@ -816,12 +818,15 @@ class PrefetchOffloader:
         entry = self._held.get(id(holder))
         if entry is None or self._state is not Lifecycle.READY:
             return
+        changed: set[int] = set()
         for leaf, param, owner, slot in entry[1]:
             if holder._parameters.get(leaf) is param and same_memory(param.data, self._host_of(owner)):
                 param.data = slot
                 for position, index in self._entries_of[id(param)]:  # every name it has (a tie)
                     params, name, _, pointer, _ = self._bound[position][index]
                     self._bound[position][index] = (params, name, param, pointer, param._version)
+                    changed.add(position)
+        self._compile_checks(sorted(changed))
         self._reload_due = True
         self._expected = -1  # no position: the next one realigns, which refills the slots
 
@@ -832,6 +837,7 @@ class PrefetchOffloader:
             return
         self._bound = [[(params, leaf, param, pointer, param._version) for params, leaf, param, pointer, _ in entries]
                        for entries in self._bound]
+        self._compile_checks()
         self._refill()
 
     def _refill(self) -> None:
@@ -853,7 +859,10 @@ class PrefetchOffloader:
     # ---- CUDA graphs ----------------------------------------------------------------
 
     def sync_prev_onload(self) -> None:
-        """Before capture or replay: block until every copy issued so far is done.
+        """Before capture or replay: block until every copy issued so far is done; where
+        the last step did not end cleanly (a forward stopped part way or realigned, or
+        ``load_state_dict`` wrote host copies), the step's first copies are issued afresh
+        first, so the slots a replay begins with hold their own layers' weights.
 
         Raises:
             ExecutionError: called before `post_init`.
@@ -861,9 +870,18 @@ class PrefetchOffloader:
         if self._state is not Lifecycle.READY:
             raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
                                  name="state", value=self._state.value)
-        if self._reload_due:  # load_state_dict wrote host copies: a replay reads the slots the step begins with
+        # A capture or replay begins a step with the slots of its first positions filled
+        # (a replay refills them before it ends). Refill them unless a whole step ended
+        # here: a forward that stopped part way or realigned, or load_state_dict, left
+        # other weights there.
+        if self._reload_due or self._recovering or self._expected != 0:
             self._rt.synchronize()
             self._refill()
+        self._rt.synchronize()
+
+    def wait_for_copies(self) -> None:
+        """Block until every copy issued so far is done (`ops.PrefetchTarget`: the start
+        op of a compile path that hands it copies of the slots, mid-forward)."""
         self._rt.synchronize()
 
     def join_after_forward(self) -> None:

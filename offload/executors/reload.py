@@ -39,13 +39,15 @@ import torch
 from torch import nn
 
 from offload.errors import ExecutionError
-from offload.executors.common import find_parameter, host_owner
+from offload.executors.common import Lifecycle, find_parameter, host_owner, raise_as_execution_error, unfinished_restore
 from offload.executors.hoststore import HostStore
 from offload.executors.moving import Progress
+from offload.protocols import Runtime
 from offload.pure.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
 
-__all__ = ["Loaded", "Weights", "refuse_read_only", "route_state_dict_loads", "write_weights"]
+__all__ = ["Loaded", "Weights", "begin_load", "log_loaded", "refuse_read_only", "route_state_dict_loads",
+           "write_weights"]
 
 log = logging.getLogger("offload.load")
 
@@ -80,6 +82,33 @@ class _Target:
     name: str
     dest: torch.Tensor | None  # None: left to the process that writes it (`skip_read_only`)
     host: bool
+
+
+def begin_load(state: Lifecycle, runtime: Runtime) -> None:
+    """What an executor's ``load_weights`` does before writing: refuse where it cannot
+    write, then wait for the device (copies and kernels may read the host copies).
+
+    Raises:
+        ExecutionError: the model is not wrapped or a restore is unfinished (`state`), a
+            CUDA graph is being captured, or waiting for the device failed (nothing written).
+    """
+    if state not in (Lifecycle.WRAPPED, Lifecycle.READY):
+        if state is Lifecycle.RESTORING:
+            raise unfinished_restore("load_weights cannot write")
+        raise ExecutionError(f"load_weights needs a wrapped model (state {state.value})", name="state",
+                             value=state.value)
+    if runtime.is_capturing():
+        raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
+    try:
+        runtime.synchronize()
+    except BaseException as exc:
+        raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
+
+
+def log_loaded(loaded: Loaded) -> None:
+    """One line (``offload.load``, INFO) saying what `write_weights` wrote."""
+    log.info("load_weights: %d tensors into host copies, %d in place, %d left to the process that writes them (%s)",
+             loaded.host_copies, loaded.in_place, loaded.skipped, format_bytes(loaded.nbytes))
 
 
 def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, *,

@@ -81,14 +81,20 @@ from offload.executors.ondemand import (
     run_swapped,
     run_with,
 )
-from offload.executors.reload import Weights, refuse_read_only, route_state_dict_loads, write_weights
+from offload.executors.reload import (
+    Weights,
+    begin_load,
+    log_loaded,
+    refuse_read_only,
+    route_state_dict_loads,
+    write_weights,
+)
 from offload.executors.telemetry import StepLog
 from offload.protocols import Runtime
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.revise import demote_to_on_demand, revise_plan
 from offload.pure.spec import ParamSpec
-from offload.pure.units import format_bytes
 from offload.stats import OffloadStats
 
 __all__ = ["UVAOffloader"]
@@ -522,21 +528,10 @@ class UVAOffloader:
                 graph is being captured, or a name, shape or copy is wrong (see
                 `write_weights`; a mapping is checked whole before anything is written).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
-            if self._state is Lifecycle.RESTORING:
-                raise unfinished_restore("load_weights cannot write")
-            raise ExecutionError(f"load_weights needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
-        if self._rt.is_capturing():
-            raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
-        try:
-            self._rt.synchronize()  # kernels may be reading the host copies about to be written
-        except BaseException as exc:
-            raise_as_execution_error(exc, "load_weights could not wait for the device, nothing written", "load_weights")
+        begin_load(self._state, self._rt)
         loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
                                    skip_read_only=skip_read_only)
-        log.info("load_weights: %d tensors into host copies, %d in place (%s)", loaded.host_copies, loaded.in_place,
-                 format_bytes(loaded.nbytes))
+        log_loaded(loaded)
 
     # ---- CUDA graphs ----------------------------------------------------------------
 

@@ -163,13 +163,16 @@ class SharedOffloader:
             (`JobMemory.refused`): `wrap_modules` raises, on every process of the job.
         verdicts: the group's followers' verdicts on their values, which every member
             waits for at `wrap_modules` and `post_init`; None when no follower compares.
+        runtime: the executor's runtime (a follower waits for its device before the
+            leader writes new weights, `load_weights`); None: it cannot wait.
     """
 
     def __init__(self, inner: Offloader, sharing: SharingPlan, layout: SegmentLayout,
                  source: SharedHostSource | None, channel: Channel | None, *, shm_dir: str,
                  numa_node: int | None = None, refused: HostMemory | None = None,
-                 verdicts: Verdicts | None = None) -> None:
+                 verdicts: Verdicts | None = None, runtime: Runtime | None = None) -> None:
         self._inner = inner
+        self._rt = runtime
         self._refused = refused
         self._verdicts = verdicts
         self._sharing = sharing
@@ -184,7 +187,6 @@ class SharedOffloader:
         self._attempts = 0  # wrap_modules calls that ran the protocol
         self._prefix = ""  # the store keys of the wrap that succeeded
         self._post_inits = 0
-        self._ready = False  # post_init succeeded (and restore not called since)
         self._reloads = 0  # load_weights calls that ran the protocol
         self._told: set[str] = set()  # the calls this follower's verdict (or failure) is out for
         self._times = SharingTimes()
@@ -385,11 +387,6 @@ class SharedOffloader:
                 ``restore()`` gives every member its weights back). Otherwise as the
                 executor.
         """
-        self._post_init()
-        self._ready = True
-
-    def _post_init(self) -> None:
-        """`post_init`'s protocol (`_ready` is set once it returned)."""
         source, channel = self._source, self._channel
         mapped = source is not None and channel is not None and source.mapping is not None
         if not self._wrapped or (not mapped and self._verdicts is None):
@@ -545,18 +542,37 @@ class SharedOffloader:
             return
         leader, me = self._sharing.leader, self._sharing.rank
         try:
-            if self._ready:
-                self._inner.sync_prev_onload()  # nothing of ours reads the shared copy while the leader writes
+            if self._rt is not None:
+                # Nothing of ours may read the shared copy while the leader writes it: the
+                # device's work (copies, UVA kernels reading it in place) is all done.
+                self._rt.synchronize()
         except BaseException as exc:
             channel.fail(f"{key}quiet/{me}", exc)
             raise
         channel.put(f"{key}quiet/{me}", {"ok": True})
-        # Two of the leader's steps: waiting for every follower, then writing.
-        done = channel.wait([f"{key}written"], [leader], "write the new weights into the shared host copy", steps=2)[0]
-        if not done.get("ok"):
-            raise ExecutionError(f"rank {leader}, the leader on this host, failed load_weights: {done.get('error')}; "
-                                 f"rank {me} wrote nothing", name="share_with", value=leader)
+        try:
+            # Two of the leader's steps: waiting for every follower, then writing.
+            done = channel.wait([f"{key}written"], [leader], "write the new weights into the shared host copy",
+                                steps=2)[0]
+            if not done.get("ok"):
+                raise ExecutionError(f"rank {leader}, the leader on this host, failed load_weights: {done.get('error')}",
+                                     name="share_with", value=leader)
+        except ExecutionError as exc:
+            # The copy may hold some of the new weights: the buffers follow what it holds.
+            self._refill_after(exc, prefix)
+            raise ExecutionError(f"{exc}; rank {me} wrote nothing of its own and refilled its buffers from the shared "
+                                 "copy, which may hold some of the new weights: call load_weights again on every member",
+                                 name=exc.name, value=exc.value) from exc
         self._inner.load_weights(weights, prefix=prefix, skip_read_only=True)
+
+    def _refill_after(self, failure: BaseException, prefix: str) -> None:
+        """Follower: make the executor's buffers follow the shared copy after the leader's
+        load_weights failed (an empty load: wait for the device, refill); never raises."""
+        try:
+            self._inner.load_weights({}, prefix=prefix, skip_read_only=True)
+        except Exception:
+            log.warning("rank %d: refilling the buffers after %s failed too", self._sharing.rank, failure,
+                        exc_info=True)
 
     def sync_prev_onload(self) -> None:
         """The executor's."""
@@ -574,7 +590,6 @@ class SharedOffloader:
             ExecutionError: as the executor (call restore() again to finish).
         """
         self._inner.restore()
-        self._ready = False
         source = self._source
         if source is None or source.mapping is None:
             return
@@ -714,7 +729,7 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
     if mine is not None:
         log.info("rank %d: host memory of the job on this host: %s", member.rank, mine.message)
     return SharedOffloader(inner, sharing, layout, source, channel, shm_dir=options.shm_dir, numa_node=numa,
-                           refused=job.refused, verdicts=verdicts)
+                           refused=job.refused, verdicts=verdicts, runtime=runtime)
 
 
 def _read_host_memory() -> Platform:

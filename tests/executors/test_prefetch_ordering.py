@@ -277,3 +277,29 @@ def test_after_a_capture_eager_forwards_and_another_capture_keep_working() -> No
         for x in xs[3 * round_ + 1: 3 * round_ + 3]:
             assert torch.equal(model(x), reference(x))
     assert all(e.event.capturing == e.capturing for e in runtime.entries(Wait))  # never across a boundary
+
+
+@pytest.mark.parametrize("stop_after", [1, 3])
+def test_sync_prev_onload_after_a_forward_that_stopped_part_way_refills_the_first_slots(stop_after: int) -> None:
+    """A CUDA graph replay begins a step with the first positions' slots as they are (a
+    replay refills them only at its end): after an eager forward that stopped part way,
+    they hold later layers' weights, so sync_prev_onload issues the step's first copies
+    afresh (found in the CUDA review of issue 20)."""
+    model = transformer_model(5)
+    reference = copy.deepcopy(model)
+    runtime = FakeRuntime()
+    off = prefetch(cuda_like_plan(model, OffloadConfig(group_size=1, prefetch_step=2), disable_pin_memory=False),
+                   runtime)
+    layers = layer_list(model)
+    off.wrap_modules(layers)
+    off.post_init()
+    x = next(inputs(seed=37))
+    model(x)
+    for layer in layers[:stop_after + 1]:  # a forward that stops after layer `stop_after`
+        x = layer(x)
+    off.sync_prev_onload()
+    for position in off.plan.schedule.initial:
+        index = off.plan.offloaded_layers[position]
+        slot = layers[index].get_parameter("mlp.up.weight")
+        assert torch.equal(slot, reference[index].get_parameter("mlp.up.weight")), index
+    assert torch.equal(model(x), reference(x))  # and the next eager step is exact

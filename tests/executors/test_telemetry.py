@@ -165,10 +165,12 @@ def test_each_stats_line_reports_finished_steps_on_demand(caplog: pytest.LogCapt
 
 
 def test_each_stats_line_reports_finished_steps_prefetch(caplog: pytest.LogCaptureFixture) -> None:
+    """Prefetch writes the line when the next step begins (the hot path pays nothing more),
+    about the steps finished then."""
     model, plan, _, off = _ready(4)
     off.log_stats_every(steps=1)
     with caplog.at_level(logging.INFO, logger="offload.stats"):
-        for x in inputs(seed=8, shapes=_shapes(3)):
+        for x in inputs(seed=8, shapes=_shapes(4)):
             model(x)
     lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
     assert [line.split(",")[0] for line in lines] == ["offload: step 1", "offload: step 2", "offload: step 3"]
