@@ -81,6 +81,7 @@ from offload.pure import (
     schedule_prefetch,
     segment_matches,
 )
+from offload.pure.check import LiveCheck, Location, ParamLocation, render_check
 from offload.stats import OffloadStats, render_stats, render_stats_line
 
 if TYPE_CHECKING:
@@ -88,7 +89,6 @@ if TYPE_CHECKING:
     from offload.checkpoint import read_checkpoint, spec_from_checkpoint
     from offload.create import create_offloader
     from offload.describe import describe_layers
-    from offload.executors.live import LiveCheck, Location, ParamLocation, render_check
     from offload.executors.noop import NoopOffloader
     from offload.executors.prefetch import PrefetchOffloader
     from offload.executors.uva import UVAOffloader
@@ -102,10 +102,6 @@ _LAZY = {
     "spec_from_checkpoint": "offload.checkpoint",
     "read_checkpoint": "offload.checkpoint",
     "create_offloader": "offload.create",
-    "LiveCheck": "offload.executors.live",
-    "Location": "offload.executors.live",
-    "ParamLocation": "offload.executors.live",
-    "render_check": "offload.executors.live",
     "CpuRuntime": "offload.runtime.cpu",
     "CudaRuntime": "offload.runtime.cuda",
     "NoopOffloader": "offload.executors.noop",

@@ -487,7 +487,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from offload.demo import run_demo, summarize
-    from offload.executors.live import render_check
+    from offload.pure.check import render_check
 
     env = _capture()
     try:

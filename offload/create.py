@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from offload.executors.hoststore import HostSource
-from offload.executors.noop import NoopOffloader
-from offload.executors.prefetch import PrefetchOffloader
-from offload.executors.uva import UVAOffloader
+from offload.executors.build import build_executor
 from offload.protocols import Offloader, Runtime
-from offload.pure.plan import Backend, OffloadPlan
+from offload.pure.plan import OffloadPlan
 from offload.runtime.cpu import CpuRuntime
 
 if TYPE_CHECKING:
@@ -61,16 +58,3 @@ def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None, *,
         return share_offloader(plan, rt, share_with)
     return build_executor(plan, rt)
 
-
-def build_executor(plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None) -> Offloader:
-    """The executor for `plan`'s backend on `runtime`, its host copies from `host_source`
-    first where one is given (`HostSource`).
-
-    Raises:
-        PlanError: the plan is inconsistent with its backend (see each executor).
-    """
-    if plan.backend is Backend.PREFETCH:
-        return PrefetchOffloader(plan, runtime, host_source)
-    if plan.backend is Backend.UVA:
-        return UVAOffloader(plan, runtime, host_source)
-    return NoopOffloader(plan, runtime)

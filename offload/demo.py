@@ -22,7 +22,7 @@ from torch import nn
 from offload.create import create_offloader
 from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError, OffloadError
-from offload.executors.live import LiveCheck
+from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.plan import Backend, OffloadPlan

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from offload.pure.check import LiveCheck
 from offload.pure.decisions import PinMethod
 from offload.pure.plan import OffloadPlan
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from offload.executors.live import LiveCheck
     from offload.stats import OffloadStats
 
 __all__ = ["Event", "HostBlocks", "Offloader", "PreparedCopies", "RegisteredRanges", "Runtime"]

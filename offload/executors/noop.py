@@ -10,10 +10,11 @@ from torch import nn
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.executors.hoststore import HostStore
-from offload.executors.live import LiveCheck, inspect_params
+from offload.executors.live import inspect_params
 from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, move_resident, unmark
 from offload.executors.reload import Weights, write_weights
 from offload.protocols import Runtime
+from offload.pure.check import LiveCheck
 from offload.pure.plan import Backend, OffloadPlan
 from offload.stats import OffloadStats
 

@@ -54,7 +54,7 @@ from offload.executors.common import (
 )
 from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.hoststore import HostSource, HostStore
-from offload.executors.live import LiveCheck, inspect_params
+from offload.executors.live import inspect_params
 from offload.executors.moving import (
     Restorer,
     claim,
@@ -79,6 +79,7 @@ from offload.executors.reload import (
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, PreparedCopies, Runtime
 from offload.pure.blocks import Span, merge_spans, slot_arenas
+from offload.pure.check import LiveCheck
 from offload.pure.layout import owns_buffer
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan
 from offload.pure.revise import revise_plan

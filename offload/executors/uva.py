@@ -55,7 +55,7 @@ from offload.executors.common import (
     unpatch_forward,
 )
 from offload.executors.hoststore import HostSource, HostStore
-from offload.executors.live import LiveCheck, inspect_params
+from offload.executors.live import inspect_params
 from offload.executors.moving import (
     Restorer,
     claim,
@@ -91,6 +91,7 @@ from offload.executors.reload import (
 )
 from offload.executors.telemetry import StepLog
 from offload.protocols import Runtime
+from offload.pure.check import LiveCheck
 from offload.pure.moves import Move
 from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.revise import demote_to_on_demand, revise_plan

@@ -20,9 +20,9 @@ from torch import nn
 from offload.describe import describe_layers, storage_key
 from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
-from offload.executors.live import LiveCheck
 from offload.hf.layers import find_layers
 from offload.protocols import Offloader, Runtime
+from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
 from offload.pure.env import EnvSnapshot
 from offload.pure.estimate import Workload

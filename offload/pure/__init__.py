@@ -4,7 +4,7 @@ Nothing in this package imports torch, reads the process environment, files, clo
 logs. Inputs and outputs are immutable values; the same inputs always give the same plan.
 """
 
-from offload.pure.admission import HostAdmission, HostFit, HostLimit, LimitCheck, decide_host_admission
+from offload.pure.admission import HostAdmission, HostFit, HostLimit, LimitCheck
 from offload.pure.cgroup import CgroupMemory
 from offload.pure.config import BackendName, HostCheck, LayerBlocks, OffloadConfig, segment_matches
 from offload.pure.decisions import (
@@ -32,7 +32,7 @@ from offload.pure.plan import (
     PlanWarning,
     WarningCode,
 )
-from offload.pure.planner import make_plan, resolve_backend
+from offload.pure.planner import decide_host_admission, make_plan, resolve_backend
 from offload.pure.presets import PRESETS, preset_spec
 from offload.pure.profiles import (
     PROFILES,

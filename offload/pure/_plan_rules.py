@@ -13,15 +13,43 @@ thousands of parameters. `make_plan` builds its plans without them
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from offload.errors import PlanError
 from offload.pure.layout import BufferKey
-from offload.pure.plan import Backend, BufferPlan, OffloadPlan, ParamPlan, Placement
-from offload.pure.schedule import check_schedule
+from offload.pure.plan_values import Backend, BufferPlan, ParamPlan, Placement
+from offload.pure.schedule import PrefetchSchedule, check_schedule
 
-__all__ = ["check_plan"]
+__all__ = ["PlanFields", "check_plan"]
 
 
-def check_plan(plan: OffloadPlan) -> None:
+class PlanFields(Protocol):
+    """What the rules read of an `offload.pure.plan.OffloadPlan` (which calls
+    `check_plan` on itself while it is built)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def params(self) -> tuple[ParamPlan, ...]: ...
+
+    @property
+    def offloaded_layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def buffers(self) -> tuple[BufferPlan, ...]: ...
+
+    @property
+    def schedule(self) -> PrefetchSchedule: ...
+
+    @property
+    def device_bytes_buffers(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+
+def check_plan(plan: PlanFields) -> None:
     """Check `plan` against every rule; `OffloadPlan` calls it on construction.
 
     Raises:
@@ -134,7 +162,7 @@ def _check_ties(params: tuple[ParamPlan, ...], position_of: dict[tuple[int, str]
         raise PlanError(f"{where} is tied to {tie[0]}:{tie[1]}, {problem}", name=f"params[{i}].tied_to", value=tie)
 
 
-def _check_prefetch(plan: OffloadPlan) -> None:
+def _check_prefetch(plan: PlanFields) -> None:
     """Every PREFETCH parameter uses its layer's slot of a buffer of its own key; every
     offloaded layer has such a parameter; every buffer and slot is used, once."""
     num_slots = plan.schedule.num_slots

@@ -17,15 +17,17 @@ memory is compared with what is really available:
   pinned host memory competes with device memory, against the device memory left after
   the plan's resident weights and buffers.
 
-`make_plan` records the verdict in `OffloadPlan.host_admission`; the executors refuse a
-plan that does not fit before they move anything (``OffloadConfig.host_check``).
+`make_plan` records the verdict in `OffloadPlan.host_admission`
+(`offload.pure.planner.decide_host_admission` checks a saved plan against a machine); the
+executors refuse a plan that does not fit before they move anything
+(``OffloadConfig.host_check``).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 import attrs
 
@@ -33,10 +35,8 @@ from offload.errors import PlanError
 from offload.pure._checks import int_at_least, is_str, tuple_of
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.moves import WhereKind, where_kind
+from offload.pure.plan_values import ParamPlan
 from offload.pure.units import format_bytes
-
-if TYPE_CHECKING:
-    from offload.pure.plan import OffloadPlan, ParamPlan
 
 __all__ = [
     "ADVISORY_LIMITS",
@@ -47,7 +47,6 @@ __all__ = [
     "HostLimit",
     "LimitCheck",
     "assess_host_memory",
-    "decide_host_admission",
     "host_demand",
     "host_room",
     "over_text",
@@ -390,21 +389,3 @@ def assess_host_memory(demand: HostDemand, env: EnvSnapshot) -> HostAdmission:
     return HostAdmission(verdict=HostFit.FITS, binding=tightest.limit, message=message + advice,
                          **_numbers(demand, checks))
 
-
-def decide_host_admission(plan: OffloadPlan, env: EnvSnapshot) -> HostAdmission:
-    """The verdict for `plan` on `env`: what `make_plan` records, and a way to check a
-    saved plan against the machine it is about to run on.
-
-    Args:
-        plan: the plan.
-        env: a snapshot (the plan's own, or a fresh `capture_env`).
-    """
-    demand = host_demand(
-        plan.params,
-        compute_device=plan.compute_device,
-        host_bytes=plan.host_bytes,
-        buffer_bytes=plan.device_bytes_buffers,
-        resident_bytes=plan.device_bytes_resident,
-        pin=plan.pin.pin,
-    )
-    return assess_host_memory(demand, env)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from operator import attrgetter
 
-from offload.pure.plan import BufferPlan, ParamPlan, Placement
+from offload.pure.plan_values import BufferPlan, ParamPlan, Placement
 from offload.pure.spec import ParamSpec
 
 __all__ = ["BufferKey", "layer_buffers", "owns_buffer", "prefetch_buffers"]

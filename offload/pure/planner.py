@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import repeat
 from operator import attrgetter
 
-from offload.pure.admission import assess_host_memory, host_demand
+from offload.pure.admission import HostAdmission, assess_host_memory, host_demand
 from offload.pure.config import OffloadConfig
 from offload.pure.decisions import decide_pinning, decide_uva
 from offload.pure.env import EnvSnapshot
@@ -34,7 +34,7 @@ from offload.pure.select import (
 from offload.pure.spec import ModelSpec, ParamSpec
 from offload.pure.warn import PlanFacts, plan_warnings
 
-__all__ = ["make_plan", "resolve_backend"]
+__all__ = ["decide_host_admission", "make_plan", "resolve_backend"]
 
 _NBYTES = attrgetter("nbytes")
 _NOT_CHOSEN: LayerChoice = frozenset()
@@ -188,3 +188,22 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         host_numa=host_numa,
         host_admission=admission,
     )
+
+
+def decide_host_admission(plan: OffloadPlan, env: EnvSnapshot) -> HostAdmission:
+    """The verdict for `plan` on `env`: what `make_plan` records, and a way to check a
+    saved plan against the machine it is about to run on.
+
+    Args:
+        plan: the plan.
+        env: a snapshot (the plan's own, or a fresh `capture_env`).
+    """
+    demand = host_demand(
+        plan.params,
+        compute_device=plan.compute_device,
+        host_bytes=plan.host_bytes,
+        buffer_bytes=plan.device_bytes_buffers,
+        resident_bytes=plan.device_bytes_resident,
+        pin=plan.pin.pin,
+    )
+    return assess_host_memory(demand, env)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from offload.errors import ConfigError
 
-__all__ = ["GIB", "KIB", "MAX_BYTES", "MIB", "format_bytes", "gib", "gib_to_bytes"]
+__all__ = ["GIB", "KIB", "MAX_BYTES", "MIB", "format_bytes", "gib", "gib_to_bytes", "ranks_text"]
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -60,3 +61,11 @@ def format_bytes(nbytes: int) -> str:
     if abs(nbytes) >= KIB:
         return f"{nbytes / KIB:.1f} KiB"
     return f"{nbytes} B"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``0-3`` for a run, ``0, 2, 5`` otherwise."""
+    ordered = sorted(ranks)
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ", ".join(str(r) for r in ordered)

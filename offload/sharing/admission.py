@@ -46,8 +46,7 @@ from offload.pure.cgroup import CgroupMemory
 from offload.pure.env import EnvSnapshot, Platform
 from offload.pure.moves import WhereKind, where_kind
 from offload.pure.plan import OffloadPlan, PlanWarning, WarningCode
-from offload.pure.units import format_bytes
-from offload.sharing.plan import ranks_text
+from offload.pure.units import format_bytes, ranks_text
 
 __all__ = [
     "ROLES",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from torch.distributed.distributed_c10d import Store
 
 from offload.errors import ExecutionError
-from offload.sharing.plan import ranks_text
+from offload.pure.units import ranks_text
 
 __all__ = ["arrive"]
 

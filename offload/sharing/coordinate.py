@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from offload.errors import ConfigError, ExecutionError
-from offload.sharing.plan import ranks_text
+from offload.pure.units import ranks_text
 from offload.sharing.segment import SHM_DIR, shm_identity
 
 __all__ = [

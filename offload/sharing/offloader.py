@@ -60,14 +60,15 @@ import torch
 from torch import nn
 
 from offload.errors import ExecutionError
+from offload.executors.build import build_executor
 from offload.executors.common import Ref
-from offload.executors.live import LiveCheck
 from offload.executors.reload import Weights
 from offload.protocols import Offloader, RegisteredRanges, Runtime
+from offload.pure.check import LiveCheck
 from offload.pure.decisions import PinMethod
 from offload.pure.env import Platform
 from offload.pure.plan import OffloadPlan
-from offload.pure.units import format_bytes
+from offload.pure.units import format_bytes, ranks_text
 from offload.runtime.copies import span_chunks
 from offload.sharing.admission import (
     HostMemory,
@@ -91,7 +92,6 @@ from offload.sharing.plan import (
     lay_out,
     mismatched,
     plan_sharing,
-    ranks_text,
     weights_digest,
     weights_of,
 )
@@ -665,8 +665,6 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
             process of the job, naming it).
         PlanError: from the executor.
     """
-    from offload.create import build_executor
-
     options = share_with if isinstance(share_with, ShareWith) else ShareWith(group=share_with)
     member = membership if membership is not None else membership_of(options.group, options.job)
     where = member.host if member.host is not None else host_identity(options.shm_dir)

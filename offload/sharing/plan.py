@@ -18,14 +18,12 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 
 from offload.pure.plan import OffloadPlan
-
-if TYPE_CHECKING:
-    from offload.sharing.admission import JobMemory
+from offload.pure.units import ranks_text
+from offload.sharing.admission import JobMemory
 
 __all__ = [
     "CACHE_LINE",
@@ -40,7 +38,6 @@ __all__ = [
     "lay_out",
     "mismatched",
     "plan_sharing",
-    "ranks_text",
     "weights_digest",
     "weights_of",
 ]
@@ -377,11 +374,3 @@ def plan_sharing(infos: Sequence[MemberInfo], rank: int, *, timeout_s: float) ->
                        reason=reason, digest=me.digest, storages=me.storages, host_bytes=me.host_bytes,
                        segment_bytes=me.segment_bytes if shared else 0, session=session, timeout_s=timeout_s,
                        verifiers=tuple(sorted(verifiers)))
-
-
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``0-3`` for a run, ``0, 2, 5`` otherwise."""
-    ordered = sorted(ranks)
-    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
-        return f"{ordered[0]}-{ordered[-1]}"
-    return ", ".join(str(r) for r in ordered)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from offload.pure.admission import HostFit
-from offload.pure.units import format_bytes
+from offload.pure.units import format_bytes, ranks_text
 from offload.sharing.admission import JobMemory
-from offload.sharing.plan import SharingPlan, ranks_text
+from offload.sharing.plan import SharingPlan
 
 __all__ = ["render_sharing"]
 

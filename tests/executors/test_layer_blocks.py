@@ -16,8 +16,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
 from offload.executors import ops
-from offload.executors.live import Location
 from offload.pure.blocks import copies_per_step, layer_copies
+from offload.pure.check import Location
 from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from offload import EnvSnapshot, OffloadConfig, OffloadPlan, describe_layers, make_plan
+from offload.pure.units import ranks_text
 from offload.sharing import render_sharing
 from offload.sharing.measure import parse_smaps
 from offload.sharing.plan import (
@@ -18,7 +19,6 @@ from offload.sharing.plan import (
     lay_out,
     mismatched,
     plan_sharing,
-    ranks_text,
     weights_digest,
     weights_of,
 )
