@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from offload import OffloadConfig, PrefetchOffloader, capture_env, create_offloader, describe_layers, make_plan
+from offload.capture.numa_bandwidth import numa_bandwidth_lines
 from offload.graphs import capture_forward
-from offload.runtime.numa_bandwidth import numa_bandwidth_lines
 
 LAYERS = 24
 HIDDEN = 4096

@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, folder: str, mode: str, layers: int, hidden: in
 
 
 def _run(rank: int, mode: str, layers: int, hidden: int) -> dict[str, Any]:
-    from offload.sharing.measure import segment_memory
+    from offload.capture.smaps import segment_memory
 
     before = _pss()
     model = _stack(layers, hidden)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from offload import CudaRuntime, PinMethod, capture_env
-from offload.runtime.numa_bandwidth import numa_bandwidth_lines
+from offload.capture.numa_bandwidth import numa_bandwidth_lines
 
 HIDDEN, INNER = 4096, 16384
 TOKENS = (1, 16, 256)

@@ -228,7 +228,7 @@ def _take_source(args: argparse.Namespace) -> None:
 def _capture() -> EnvSnapshot:
     from offload.capture import capture_env  # imports torch: only when a command needs it
 
-    return capture_env(os.environ)
+    return capture_env()
 
 
 def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:

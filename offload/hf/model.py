@@ -10,7 +10,6 @@ one tensor at a time when the model is wrapped, and given back where it was by
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -299,7 +298,7 @@ def offload_model(
     if env is None:
         from offload.capture import capture_env
 
-        env = capture_env(os.environ)
+        env = capture_env()
     layers = list(find_layers(model, layers_path))
     meta = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
     if meta is not None:

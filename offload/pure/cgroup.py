@@ -26,7 +26,6 @@ from offload.pure._checks import VOLATILE, int_at_least, is_str
 
 __all__ = [
     "CGROUP_STATES",
-    "DEFAULT_MOUNTS",
     "CgroupLevel",
     "CgroupMemory",
     "binding_cgroup",
@@ -257,6 +256,3 @@ def cgroup_dirs(cgroup_path: str, root: str, mount_point: str) -> tuple[str, ...
         return None
     return tuple(posixpath.join(mount_point, *parts[:depth]) for depth in range(len(parts), -1, -1))
 
-
-#: The usual mount points, when ``/proc/self/mountinfo`` cannot be read.
-DEFAULT_MOUNTS: tuple[tuple[int, str, str], ...] = ((2, "/", "/sys/fs/cgroup"), (1, "/", "/sys/fs/cgroup/memory"))

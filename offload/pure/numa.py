@@ -5,7 +5,7 @@ copies (and zero-copy reads) are fastest from the node the GPU's PCI device hang
 `decide_numa` picks the node once, for the plan (`OffloadPlan.host_numa`); the CUDA
 runtime binds each host mapping to it before the first touch (`offload.runtime.numa`).
 
-The parsers take texts the shell has read (`offload.numa_probe`) and return values; the
+The parsers take texts the shell has read (`offload.capture.numa`) and return values; the
 ``numa_maps`` parser reads the kernel's account of where a mapping's pages are, for
 tests and benchmarks that check the placement.
 """

@@ -28,12 +28,12 @@ import attrs
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
+from offload.capture.host import read_boot_id
 from offload.errors import ConfigError, ExecutionError
 from offload.pure.units import ranks_text
 from offload.sharing.segment import SHM_DIR, shm_identity
 
 __all__ = [
-    "BOOT_ID_PATH",
     "DEFAULT_TIMEOUT_S",
     "Channel",
     "Gather",
@@ -50,10 +50,6 @@ log = logging.getLogger(__name__)
 #: speed, a few GB/s) or to finish post_init after loading; 10 minutes covers a few
 #: hundred GB. Pass `ShareWith(timeout_s=...)` for anything else.
 DEFAULT_TIMEOUT_S = 600.0
-
-#: Where Linux says which boot this is (the same hostname on two machines, or a reused
-#: container name, is told apart by it).
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
 #: Gathers one picklable object from every member, in rank order (every member calls it).
 Gather = Callable[[object], list[Any]]
@@ -187,13 +183,7 @@ def membership_of(group: dist.ProcessGroup | None, job: dist.ProcessGroup | None
 def host_identity(shm_dir: str = SHM_DIR) -> tuple[str, str, str]:
     """(hostname, boot id, shared-memory file system id) of this process: members with
     all three equal can map one segment."""
-    try:
-        with open(BOOT_ID_PATH, encoding="ascii") as f:
-            boot_id = f.read().strip()
-    except OSError as exc:
-        log.debug("cannot read %s: %s", BOOT_ID_PATH, exc)
-        boot_id = "unknown"
-    return socket.gethostname(), boot_id, shm_identity(shm_dir)
+    return socket.gethostname(), read_boot_id(), shm_identity(shm_dir)
 
 
 @final

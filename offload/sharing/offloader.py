@@ -733,7 +733,7 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
 def _read_host_memory() -> Platform:
     """MemAvailable and the cgroup's memory limit, read now (nothing about the device)."""
     from offload.capture import probe_platform, read_proc_text
-    from offload.cgroup_probe import with_cgroup_memory
+    from offload.capture.cgroup import with_cgroup_memory
 
     return with_cgroup_memory(probe_platform(read_proc_text, None))
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from offload import CudaRuntime, PinMethod, capture_env, make_plan
+from offload.capture.numa import PCI_NUMA_NODE, torch_gpu_bus_id
 from offload.create import default_runtime
 from offload.describe import describe_layers
-from offload.numa_probe import PCI_NUMA_NODE, torch_gpu_bus_id
 from offload.pure import OffloadConfig
 from offload.pure.numa import parse_numa_maps, parse_numa_node
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from offload import ExecutionError, OffloadConfig, OffloadPlan
+from offload.capture.smaps import segment_memory
 from offload.protocols import Offloader
 from offload.sharing import SharedOffloader
-from offload.sharing.measure import segment_memory
 from tests.executors.helpers import assert_restored, cpu_plan, snapshot
 from tests.executors.models import bits, layer_list, transformer_model
 

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from offload import EnvSnapshot, OffloadConfig, OffloadPlan, describe_layers, make_plan
+from offload.capture.smaps import parse_smaps
 from offload.pure.units import ranks_text
 from offload.sharing import render_sharing
-from offload.sharing.measure import parse_smaps
 from offload.sharing.plan import (
     CACHE_LINE,
     MemberInfo,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload import ExecutionError
-from offload.sharing.measure import segment_memory
+from offload.capture.smaps import segment_memory
 from offload.sharing.segment import (
     SEGMENT_PREFIX,
     SHM_DIR,

@@ -20,10 +20,10 @@ import torch
 from torch.distributed.distributed_c10d import PrefixStore
 
 from offload import ExecutionError
+from offload.capture.smaps import segment_memory
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing import ShareWith, share_offloader
 from offload.sharing.coordinate import Membership
-from offload.sharing.measure import segment_memory
 from offload.sharing.plan import MemberInfo, describe_differences, plan_sharing
 from offload.sharing.segment import SHM_DIR
 from tests.executors.helpers import assert_restored, cpu_plan, patched_layers, snapshot

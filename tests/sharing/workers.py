@@ -178,7 +178,7 @@ def _cuda(rank: int, world: int, out_dir: Path, *, kind: str) -> dict[str, Any]:
     import copy
 
     from offload import capture_env, describe_layers, make_plan
-    from offload.sharing.measure import segment_memory
+    from offload.capture.smaps import segment_memory
 
     torch.cuda.set_device(0)
     model = build(4, hidden=256)  # in host memory: offloaded weights are copied into the segment

@@ -1,7 +1,8 @@
 """Capture the environment once: the user's switches and what this machine can do.
 
-This is the only module in `offload` that reads ``os.environ``, ``torch.cuda`` and
-``/proc``. It is split so that its effects are thin and injectable:
+The environment variables, ``torch.cuda``'s device, and what ``/proc`` says of this process
+and machine (`offload.capture` is the only room that reads the machine). It is split so
+that its effects are thin and injectable:
 
 - `probe_platform` turns what it is given into a `Platform`. It reads files only through
   the `ReadText` callable and the GPU only through a `CudaProbe`, so tests pass a dict of
@@ -9,8 +10,8 @@ This is the only module in `offload` that reads ``os.environ``, ``torch.cuda`` a
 - `read_proc_text`, `TorchCudaProbe` and `torch_cuda_probe` are the real effects: open a
   file, ask torch, call ``cudaDeviceGetAttribute`` through ctypes on the libcudart that
   torch loaded.
-- `capture_env` wires the real effects together, and adds what `offload.numa_probe` (NUMA
-  nodes) and `offload.cgroup_probe` (the cgroup's memory limit, read under a root
+- `capture_env` wires the real effects together, and adds what `offload.capture.numa` (NUMA
+  nodes) and `offload.capture.cgroup` (the cgroup's memory limit, read under a root
   directory that tests point at a fake tree) find.
 
 Whatever cannot be read gets a safe assumption, one line in `Platform.probe_notes` saying
@@ -29,8 +30,8 @@ from typing import Any, Protocol, final
 import attrs
 import torch
 
-from offload.cgroup_probe import with_cgroup_memory
-from offload.numa_probe import with_numa_topology
+from offload.capture.cgroup import with_cgroup_memory
+from offload.capture.numa import with_numa_topology
 from offload.pure.env import EnvSnapshot, Platform, parse_env
 from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import attrs
 
 from offload.pure.cgroup import (
-    DEFAULT_MOUNTS,
     CgroupLevel,
     CgroupMemory,
     binding_cgroup,
@@ -45,6 +44,9 @@ __all__ = ["MOUNTINFO_PATH", "PROC_CGROUP_PATH", "probe_cgroup", "with_cgroup_me
 _log = logging.getLogger(__name__)
 
 PROC_CGROUP_PATH = "/proc/self/cgroup"
+#: The usual mount points (cgroup version, root, mount point), when
+#: ``/proc/self/mountinfo`` cannot be read.
+DEFAULT_MOUNTS: tuple[tuple[int, str, str], ...] = ((2, "/", "/sys/fs/cgroup"), (1, "/", "/sys/fs/cgroup/memory"))
 MOUNTINFO_PATH = "/proc/self/mountinfo"
 
 _UNKNOWN = "the cgroup memory limit is unknown, not checked"

@@ -1,4 +1,4 @@
-"""The NUMA probe (offload.numa_probe) over fake sysfs trees in a temporary directory."""
+"""The NUMA probe (offload.capture.numa) over fake sysfs trees in a temporary directory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload.capture import capture_env
-from offload.numa_probe import NODE_ONLINE, PCI_NUMA_NODE, probe_numa, torch_gpu_bus_id, with_numa_topology
+from offload.capture.numa import NODE_ONLINE, PCI_NUMA_NODE, probe_numa, torch_gpu_bus_id, with_numa_topology
 from offload.pure.env import Platform
 from offload.pure.numa import NumaTopology
 
@@ -98,7 +98,7 @@ def test_with_numa_topology_asks_for_the_bus_id_only_with_cuda(tmp_path: Path) -
 
 def test_with_numa_topology_keeps_earlier_notes_and_logs_its_own(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.numa_probe")
+    caplog.set_level(logging.DEBUG, logger="offload.capture.numa")
 
     def broken() -> str:
         raise RuntimeError("no device properties")

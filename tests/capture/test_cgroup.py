@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from offload.capture import capture_env
-from offload.cgroup_probe import probe_cgroup, with_cgroup_memory
+from offload.capture.cgroup import probe_cgroup, with_cgroup_memory
 from offload.pure import CgroupMemory, Platform
 
 GiB = 1 << 30
@@ -194,7 +194,7 @@ def test_an_unreadable_limit_is_skipped_with_a_note(tmp_path: Path) -> None:
 
 
 def test_with_cgroup_memory_adds_the_limit_and_logs_notes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.cgroup_probe")
+    caplog.set_level(logging.DEBUG, logger="offload.capture.cgroup")
     platform = Platform(probe_notes=("earlier note",))
     done = with_cgroup_memory(platform, root=tmp_path)  # an empty tree
     assert done.cgroup_memory == CgroupMemory()
