@@ -47,7 +47,7 @@ and from the minima of the cell. Grad modes: ``torch.inference_mode()`` and
 contenders must equal the resident output bit for bit, and restore must give back the
 resident weights: otherwise the run stops with an error saying what differed.
 
-Targets (issue 11), printed as "ratio to target" (no assertion): prefetch overhead at
+Targets, printed as "ratio to target" (no assertion): prefetch overhead at
 most 12 us per 2-parameter layer and 30 us per 9-parameter block.
 
 Run: ``python -m benchmarks.bench_overhead [--quick] [--device auto|cpu|cuda]``. On the
@@ -93,7 +93,7 @@ HIDDEN = 64
 INNER = 128
 TOKENS = 4
 TARGET_US = {2: 12.0, 9: 30.0}  # prefetch overhead target per layer, by parameters per layer
-# Issue 11's baseline (FACTS.md): 32 x Linear(64, 64), custom ops replaced by direct calls,
+# The hot-path baseline (FACTS.md): 32 x Linear(64, 64), custom ops replaced by direct calls,
 # copy switched off, per layer per forward.
 BASELINE_US = {"inference_mode": 12.0, "no_grad": 14.0}
 BASELINE_STACK = "linear32"
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                                + f"; {each:.2f} us in one copy per parameter (copies-only), beyond them "
                                f"prefetch-each {overhead['prefetch-each'] - each:.2f} us; with the copy switched off "
                                f"d1 {overhead['prefetch-copy-off']:.2f} us"
-                               + (f" (issue 11's baseline: {BASELINE_US[mode]:g} us)" if spec.name == BASELINE_STACK
+                               + (f" (the hot-path baseline: {BASELINE_US[mode]:g} us)" if spec.name == BASELINE_STACK
                                   else ""))
             for line in copies_per_step(contenders, x):
                 print(f"{spec.name}: {line}")

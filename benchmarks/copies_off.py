@@ -1,5 +1,5 @@
 """A runtime whose copies can be switched off, for `bench_overhead`'s ``prefetch-copy-off``
-row: what our Python costs per layer without the copy itself, the measurement issue 11's
+row: what our Python costs per layer without the copy itself, the measurement the hot-path
 baseline (FACTS.md, "custom ops replaced by direct calls, copy switched off") was made
 with.
 

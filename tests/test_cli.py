@@ -339,7 +339,7 @@ def test_console_script_entry_point_is_declared() -> None:
     assert OffloadPlan.from_json(result.stdout).offloaded_params == ()
 
 
-# ---- offload plan --fit-gib (issue 5) ------------------------------------------------
+# ---- offload plan --fit-gib ------------------------------------------------
 
 
 def test_fit_gib_prints_a_plan_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
@@ -406,7 +406,7 @@ def test_fit_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], arg
     assert needle in err
 
 
-# ---- host memory (issue 12, item 1) ---------------------------------------------------
+# ---- host memory ---------------------------------------------------
 
 
 def test_env_text_shows_the_cgroup_limit_and_the_room_left(capsys: pytest.CaptureFixture[str]) -> None:

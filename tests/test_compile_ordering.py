@@ -1,4 +1,4 @@
-"""torch.compile orders every read of a weight buffer by construction (issue 10).
+"""torch.compile orders every read of a weight buffer by construction.
 
 The prefetch ops declare the slot tensors they fill (the wait) and overwrite (the start)
 as mutated, so the compiler sees each weight written by the op before it. These tests

@@ -1,5 +1,5 @@
 """`offload.graphs.captured`: the capture protocol, on the CPU with a runtime that plays a
-CUDA graph capture, including captures that are aborted (issue 10)."""
+CUDA graph capture, including captures that are aborted."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sharing host copies among the processes of one host (issue 13).
+"""Sharing host copies among the processes of one host.
 
 Data-parallel replicas each keep a host copy of the same offloaded weights (8 replicas x
 140 GB = 1.1 TB). ``create_offloader(plan, share_with=group)`` makes the members of a

@@ -1,5 +1,5 @@
-"""The cgroup probe against fake /proc and /sys/fs/cgroup trees in a temporary directory
-(issue 12, item 1): it finds the binding limit, and never raises where files are missing."""
+"""The cgroup probe against fake /proc and /sys/fs/cgroup trees in a temporary directory:
+it finds the binding limit, and never raises where files are missing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A model changed after `post_init` (issue 20, cases 1 to 3): conversions (``model.to``),
+"""A model changed after `post_init`: conversions (``model.to``),
 writes in place (``load_state_dict``, ``param.copy_()``) and new Parameters. A prefetched
 parameter points at a static slot that several layers share, so each of these used to go
 silently wrong: restore gave a layer another layer's weights, a reload was overwritten

@@ -1,4 +1,4 @@
-"""The fault-injection matrix (issue 10): a runtime that raises on the k-th call of one of
+"""The fault-injection matrix: a runtime that raises on the k-th call of one of
 its methods, for every k, in every phase of the lifecycle (``wrap_modules``, ``post_init``,
 a forward, ``restore``), for every backend, on this machine's CPU plans and on CUDA-like
 plans run on a played CUDA device (`FakeRuntime(device="cuda:0")`, so the GPU paths run:

@@ -1,5 +1,5 @@
-"""`wrap_modules` refuses a plan whose host memory does not fit, before it moves anything
-(issue 12, item 1): a snapshot built by hand with a small cgroup limit, on both
+"""`wrap_modules` refuses a plan whose host memory does not fit, before it moves anything:
+a snapshot built by hand with a small cgroup limit, on both
 offloading backends; ``host_check="warn"`` lets it through with a logged warning."""
 
 from __future__ import annotations

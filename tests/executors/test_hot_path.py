@@ -1,4 +1,4 @@
-"""The forward path's shape (issue 11): eager forwards call the executor directly (the
+"""The forward path's shape: eager forwards call the executor directly (the
 custom ops are for torch.compile, which still gets them), and nothing fixed at post_init is
 looked up again per call. Timings are in benchmarks/bench_overhead.py, never here.
 """

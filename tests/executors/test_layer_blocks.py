@@ -117,7 +117,7 @@ def test_unaligned_parameters_are_copied_alone_beside_the_merged_rest() -> None:
 
 @pytest.mark.parametrize(("layers", "step"), [(3, 2), (5, 3), (4, 4)])
 def test_measured_copies_are_what_the_plan_predicts_with_layers_kept_in_their_slots(layers: int, step: int) -> None:
-    """A layer alone in its slot is copied at post_init only (issue 20, case 8): per step
+    """A layer alone in its slot is copied at post_init only: per step
     the executor copies `copies_per_step`, at post_init `layer_copies` of the first ones."""
     model = linear_stack(layers)
     reference = copy.deepcopy(model)

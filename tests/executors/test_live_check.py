@@ -1,4 +1,4 @@
-"""`check()` (issue 12, item 4): every planned parameter's actual place in the live model,
+"""`check()`: every planned parameter's actual place in the live model,
 against the plan; differences listed, never fixed."""
 
 from __future__ import annotations

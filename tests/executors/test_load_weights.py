@@ -1,4 +1,4 @@
-"""`load_weights`: new weights for an offloaded model without `restore` (issue 20), as
+"""`load_weights`: new weights for an offloaded model without `restore`, as
 engines reload after a reinforcement-learning update or a wake from sleep.
 
 Every backend, ties (in a layer, across layers, two Parameters over one storage), a fused

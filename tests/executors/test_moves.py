@@ -1,4 +1,4 @@
-"""Executors move each weight as the plan says, from wherever it is (issue 9, item 1).
+"""Executors move each weight as the plan says, from wherever it is.
 
 - A CPU plan adopts the host weights as their own host copies: no copy at all.
 - A model on the host run with a CUDA plan (on ``FakeRuntime(device="cuda:0")``, which

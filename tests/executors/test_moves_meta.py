@@ -1,6 +1,6 @@
 """The engine lifecycle from meta: build the model on the meta device, plan from it, wrap,
 let a loader fill every weight (in place, or by assigning ``param.data``), post_init, run,
-restore (issue 9, item 1).
+restore.
 
 Meta Parameters cannot take real data, so wrapping replaces them by new Parameters; the
 loader finds them by name after wrapping. Ties (one Parameter under two names) stay ties.

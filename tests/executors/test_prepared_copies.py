@@ -1,4 +1,4 @@
-"""Copies prepared once (issue 11): a runtime with `PreparedCopies` is asked at post_init
+"""Copies prepared once: a runtime with `PreparedCopies` is asked at post_init
 how each copy is cut (`copy_chunks`), and every step after that issues the prepared
 chunks (`copy_chunks_after`) without working them out again. A runtime without it (the
 wrappers in the tests that do not pass it on) gets `copy_after` as before."""

@@ -1,5 +1,5 @@
 """One module at two places of a stack (``[a, shared, b, shared]``, as accelerate's
-tied-module test builds it; issue 20, case 4): the plan ties its later place to the first,
+tied-module test builds it): the plan ties its later place to the first,
 the layer runs exactly at both places on every backend, and `restore` leaves no hook."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A restore that stopped part way (issue 20, case 5): the next forward says so, as an
+"""A restore that stopped part way: the next forward says so, as an
 `ExecutionError`, on every layer (it used to raise ``IndexError`` in the prefetch backend,
 and run half-restored weights elsewhere); the error of the restore says how far it got,
 whatever the runtime raised; a second `restore` finishes bit for bit."""

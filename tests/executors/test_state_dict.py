@@ -1,4 +1,4 @@
-"""``state_dict()`` of an offloaded model holds every weight's real values (issue 9, item 5).
+"""``state_dict()`` of an offloaded model holds every weight's real values.
 
 A prefetch parameter points at a static slot that several offloaded layers share, so its
 own data holds whichever layer was copied in last; before the state_dict hooks, 35 of 57

@@ -1,4 +1,4 @@
-"""Per-step telemetry (issue 12, item 3): steps, per-step figures that add up to the
+"""Per-step telemetry: steps, per-step figures that add up to the
 totals, copy time and bandwidth as the runtime measured them, `render_stats`, the opt-in
 periodic log line, and named profiler ranges."""
 
@@ -145,7 +145,7 @@ def test_log_stats_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_each_stats_line_reports_finished_steps_on_demand(caplog: pytest.LogCaptureFixture) -> None:
-    """The line is written when a step's copies are all counted (issue 20, case 9: it was
+    """The line is written when a step's copies are all counted (it was
     written when a step began, and said 0, then half, then two thirds of the bytes a step
     copies)."""
     model = transformer_model(3)

@@ -1,5 +1,5 @@
-"""A model larger than the device is allowed to use, on a real CUDA device (issue 9, item
-1): wrapped from host memory or from meta, loaded, post_init, forwards bit for bit equal to
+"""A model larger than the device is allowed to use, on a real CUDA device:
+wrapped from host memory or from meta, loaded, post_init, forwards bit for bit equal to
 the same math run resident layer by layer, restored; device memory within the plan's
 device total (resident weights and static buffers) plus the largest tensor plus the
 activations, whatever the weights' source.

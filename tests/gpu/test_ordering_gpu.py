@@ -1,4 +1,4 @@
-"""Issue 10's GPU-path findings, on a real device: compiled ordering by construction
+"""The GPU-path findings of the hardening review, on a real device: compiled ordering by construction
 (inductor's BFS schedule forced), `torch.compile(mode="reduce-overhead")` (CUDA graph
 trees leave the cudagraph_unsafe ops out), `stats()` inside a capture, and an aborted
 capture followed by eager forwards.

@@ -1,4 +1,4 @@
-"""New weights and changes after post_init on a real CUDA device (issue 20): load_weights
+"""New weights and changes after post_init on a real CUDA device: load_weights
 then CUDA graph replay, load_state_dict routed into pinned host copies (parameters on
 device slots pointed at host memory while torch copies, and back), writes in place
 refused, conversions of the real weights, a layer kept in its own slot across replays.

@@ -1,4 +1,4 @@
-"""Sharing host copies on a real CUDA device (issue 13): two rank processes on one GPU,
+"""Sharing host copies on a real CUDA device: two rank processes on one GPU,
 plans made for this machine (pinning as it decides: the leader registers its slots with
 cudaHostRegister, followers theirs with cudaHostRegisterReadOnly), weights from the
 host. Outputs bit for bit against a resident copy on the device, every host copy

@@ -1,4 +1,4 @@
-"""Shared host copies registered in several pieces on a real CUDA device (issue 13): the
+"""Shared host copies registered in several pieces on a real CUDA device: the
 source tells the runtime, which cuts each copy at the pieces' ends, so copies stay
 asynchronous and capturable; outputs bit for bit. One process: the leader's view alone."""
 

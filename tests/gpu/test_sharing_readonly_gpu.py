@@ -1,4 +1,4 @@
-"""The real cudaDevAttrHostRegisterReadOnlySupported query on a CUDA device (issue 13):
+"""The real cudaDevAttrHostRegisterReadOnlySupported query on a CUDA device:
 the device answers 0 or 1, and the answer holds: a follower's ``PROT_READ`` mapping of
 a shared segment registers with the follower's flags exactly when it says 1, and where
 it says 0 a follower's `SharedHostSource` does not try.

@@ -9,7 +9,7 @@ layer with prefetch depth 2, one forward, then ``restore()`` with the peak reset
 
 The bound is the design's: offloading a model that is in host memory, where the compute
 device is the CPU itself, may add the static buffers and one tensor in flight, nothing
-else. Before issue 9, wrapping kept each original beside a new host copy: here that
+else. Once, wrapping kept each original beside a new host copy: here that
 would add the 392 MiB of offloaded weights, twelve times `ALLOWANCE`.
 
 Measured on the 2-core development machine (MiB): baseline 332; resident 796 (RssFile

@@ -147,7 +147,7 @@ def test_state_dict_and_save_pretrained_of_an_offloaded_model_hold_the_real_weig
 
 def test_offloaded_slots_are_not_what_state_dict_returns(checkpoints: dict[str, Path]) -> None:
     """The parameters of a prefetch model point at shared slots; without the state_dict
-    hook most entries would be another layer's weights (issue 9: 35 of 57 on a Llama)."""
+    hook most entries would be another layer's weights (35 of 57 on a Llama)."""
     reference = _resident(checkpoints["single"])
     model, off = offload_pretrained(checkpoints["single"], CONFIGS["prefetch-all"])
     _run(model)

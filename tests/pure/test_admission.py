@@ -1,4 +1,4 @@
-"""Host admission (issue 12, item 1): the verdict `make_plan` records about the host
+"""Host admission: the verdict `make_plan` records about the host
 memory a plan takes, the warnings that agree with it, and its JSON."""
 
 from __future__ import annotations

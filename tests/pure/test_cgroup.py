@@ -1,5 +1,5 @@
 """The cgroup memory limit: the text parsers (`offload.pure.procfs`), the path and
-binding steps and the value (`offload.pure.cgroup`), on sample texts (issue 12, item 1)."""
+binding steps and the value (`offload.pure.cgroup`), on sample texts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`OffloadConfig` validation and `segment_matches` (issue 2, item 2)."""
+"""`OffloadConfig` validation and `segment_matches`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`parse_env`, `Platform` defaults and `EnvSnapshot.fingerprint` (issue 2, item 2)."""
+"""`parse_env`, `Platform` defaults and `EnvSnapshot.fingerprint`."""
 
 from __future__ import annotations
 
@@ -337,7 +337,7 @@ def test_fingerprint_of_the_default_snapshot_is_repeatable() -> None:
     assert EnvSnapshot().fingerprint() == EnvSnapshot(flags=EnvFlags(), platform=Platform()).fingerprint()
 
 
-# Values that are not strings: a caller passing a config dict or ``os.environb`` (issue 10).
+# Values that are not strings: a caller passing a config dict or ``os.environb``.
 NOT_STRINGS: list[object] = [True, False, 1, 0, 1.0, None, b"1", bytearray(b"0"), ["1"], ("on",), {"1": 1}, object()]
 
 

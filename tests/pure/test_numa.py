@@ -1,4 +1,4 @@
-"""NUMA placement of host copies (issue 12, item 2): sysfs parsers, the decision, the plan
+"""NUMA placement of host copies: sysfs parsers, the decision, the plan
 field, its rendering and its JSON (old documents without it still load)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The core refuses numbers that mean nothing (issue 10): sizes in GiB that overflow or
+"""The core refuses numbers that mean nothing: sizes in GiB that overflow or
 round to 0 bytes, rates that make estimates infinite or zero, token counts whose FLOPs
 overflow; and every accepted number gives a finite, non-zero estimate."""
 

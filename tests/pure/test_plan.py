@@ -1,4 +1,4 @@
-"""`make_plan`: selection rules, ties, warnings, invariants and JSON (issue 2, item 2).
+"""`make_plan`: selection rules, ties, warnings, invariants and JSON.
 
 Known cases are tables; the invariants are hypothesis properties checked against small
 oracles written here from the issue's rules (which parameters may leave the compute
@@ -195,7 +195,7 @@ def _devices_spec() -> ModelSpec:
                          ids=["prefetch", "uva"])
 def test_cuda_platform_offloads_host_parameters_too(config: OffloadConfig) -> None:
     # A model loaded on the host and planned for a GPU: its weights go to the device or
-    # to host copies like any other (issue 9: it used to offload nothing, silently).
+    # to host copies like any other (it used to offload nothing, silently).
     plan = make_plan(_devices_spec(), config, ON_GPU)
     assert offloaded_refs(plan) == {(0, "on_host"), (0, "on_gpu"), (0, "unloaded")}
     assert plan.offloaded_bytes == plan.host_bytes == plan.device_bytes_freed == 100 + 200 + 300

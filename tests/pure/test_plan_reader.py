@@ -1,4 +1,4 @@
-"""`OffloadPlan.from_json` against hand-edited and hostile documents (issue 10).
+"""`OffloadPlan.from_json` against hand-edited and hostile documents.
 
 A plan read from a file is run by executors that index layers, schedule positions, buffer
 keys and tie targets by what the plan says, so every such index must be checked when the

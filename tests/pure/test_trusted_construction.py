@@ -1,4 +1,4 @@
-"""Values built without their validators (the trusted builders, issue 11) are the values
+"""Values built without their validators (the trusted builders) are the values
 the classes build: equal, hashing alike, the same repr and JSON, the same derived sizes;
 and what users give is still checked at the boundary, naming the bad value."""
 

@@ -1,4 +1,4 @@
-"""Host admission summed over the job (issue 13): members as threads, sharing groups of
+"""Host admission summed over the job: members as threads, sharing groups of
 tensor-parallel ranks side by side in one job, host memory readings injected. Followers
 are not refused for a private copy they do not take; a host whose processes together
 do not fit is refused on every rank, at once, with the limit, the numbers and the ranks;

@@ -1,4 +1,4 @@
-"""New weights for a sharing group without restore (issue 20: `load_weights` with shared
+"""New weights for a sharing group without restore (`load_weights` with shared
 host copies): every member calls it; the leader writes the one copy once every follower
 has stopped reading it, then every member refills its buffers; all compute bit for bit
 as a resident model holding the new weights, and the weights stay in the one copy.

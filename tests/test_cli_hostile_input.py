@@ -1,4 +1,4 @@
-"""The command line under hostile input (issue 10): every numeric flag of every command
+"""The command line under hostile input: every numeric flag of every command
 accepts exactly the values that mean something and refuses the rest in one line naming
 the flag and the value (exit 2); impossible demo sizes are refused up front and torch
 failures become one line; Ctrl-C exits 130 with one line; names with newlines keep every

@@ -284,7 +284,7 @@ def test_sync_prev_onload_after_a_forward_that_stopped_part_way_refills_the_firs
     """A CUDA graph replay begins a step with the first positions' slots as they are (a
     replay refills them only at its end): after an eager forward that stopped part way,
     they hold later layers' weights, so sync_prev_onload issues the step's first copies
-    afresh (found in the CUDA review of issue 20)."""
+    afresh (found in a review of the CUDA paths)."""
     model = transformer_model(5)
     reference = copy.deepcopy(model)
     runtime = FakeRuntime()

@@ -1,6 +1,6 @@
 """Layers run out of order, skipped, twice, or a forward that stops part way (an
 exception, Ctrl-C, early-exit generation): the prefetch schedule is realigned and every
-output stays exactly the resident one; the next forward simply works (issue 10). Copies
+output stays exactly the resident one; the next forward simply works. Copies
 are deferred until waited on (`FakeRuntime(defer=True)`), so a layer that read a slot
 before its copy landed would give a wrong result."""
 

@@ -1,4 +1,4 @@
-"""Misuse that used to go silently wrong (issue 10), now refused by name or handled:
+"""Misuse that used to go silently wrong, now refused by name or handled:
 plan ties that do not hold in the live model, weights replaced between wrapping and
 restore, a second offloader on wrapped layers, deepcopy and pickling of an offloaded
 model, ``model.to(dtype)`` after post_init, a parameter replaced by a meta tensor before
