@@ -16,11 +16,11 @@ import time
 
 from offload.errors import PlanError
 from offload.pure import EnvSnapshot, ModelSpec, preset_spec
-from offload.pure.estimate import Workload
-from offload.pure.fit import fit
-from offload.pure.fit_render import describe_config
-from offload.pure.presets import llama_spec
-from offload.pure.profiles import PROFILES
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import PROFILES
+from offload.pure.fit.render import describe_config
+from offload.pure.fit.search import fit
+from offload.pure.spec.presets import llama_spec
 from offload.pure.units import format_bytes
 
 TARGET_S = 1.0

@@ -20,7 +20,7 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.protocols import Event, HostBlocks, PreparedCopies, Runtime
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 
 __all__ = ["CopiesOff"]
 

@@ -82,7 +82,7 @@ from offload.pure import (
     segment_matches,
 )
 from offload.pure.check import LiveCheck, Location, ParamLocation, render_check
-from offload.stats import OffloadStats, render_stats, render_stats_line
+from offload.pure.stats import OffloadStats, render_stats, render_stats_line
 
 if TYPE_CHECKING:
     from offload.capture import capture_env

@@ -3,7 +3,7 @@
 For each file this reads the 8-byte header length and the JSON header, nothing more: a
 70B checkpoint is planned in milliseconds without touching its 140 GB of data. The
 parsing, the index checks and the grouping into layers are pure
-(`offload.pure.safetensors`); this module only finds the files and reads their first
+(`offload.pure.spec.safetensors`); this module only finds the files and reads their first
 bytes.
 
 Which files: a directory's ``*.safetensors`` files, or, when the directory holds an index
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from offload.errors import CheckpointError
-from offload.pure.safetensors import (
+from offload.pure.spec.safetensors import (
     SHARD_SUFFIX,
     CheckpointSpec,
     TensorHeader,
@@ -41,7 +41,7 @@ from offload.pure.safetensors import (
     printable,
     spec_from_tensors,
 )
-from offload.pure.spec import ModelSpec
+from offload.pure.spec.values import ModelSpec
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -206,7 +206,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
         CheckpointError: the file cannot be opened or read, is shorter than 8 bytes, its
             header length exceeds `MAX_HEADER_BYTES` or the bytes after the length field,
             or the header is not a valid safetensors header (see
-            `offload.pure.safetensors.parse_safetensors_header`).
+            `offload.pure.spec.safetensors.parse_safetensors_header`).
     """
     file_path = Path(path)
     try:
@@ -271,7 +271,7 @@ def spec_from_checkpoint(path: str | os.PathLike[str]) -> ModelSpec:
         path: a directory of ``*.safetensors`` files, or one such file.
 
     Returns:
-        The layers (see `offload.pure.safetensors.spec_from_tensors`); tensors outside
+        The layers (see `offload.pure.spec.safetensors.spec_from_tensors`); tensors outside
         layers are dropped. `read_checkpoint` returns them too.
 
     Raises:

@@ -22,17 +22,13 @@ from typing import Any, NoReturn, TextIO
 import attrs
 
 from offload.errors import ConfigError, ExecutionError, OffloadError
-from offload.pure.admission import host_room
 from offload.pure.config import OffloadConfig
-from offload.pure.decisions import decide_pinning, decide_uva
-from offload.pure.env import ENV_VARIABLES, EnvSnapshot, Platform
-from offload.pure.estimate import Workload, estimate
-from offload.pure.fit import fit
-from offload.pure.fit_render import render_estimate, render_fit
-from offload.pure.plan import OffloadPlan
-from offload.pure.planner import make_plan
-from offload.pure.presets import PRESETS, preset_outside_bytes, preset_spec
-from offload.pure.profiles import (
+from offload.pure.decide.admission import host_room
+from offload.pure.decide.pinning import decide_pinning
+from offload.pure.decide.uva import decide_uva
+from offload.pure.env.snapshot import ENV_VARIABLES, EnvSnapshot, Platform
+from offload.pure.fit.estimate import Workload, estimate
+from offload.pure.fit.profiles import (
     PROFILES,
     DeviceProfile,
     planning_env,
@@ -40,12 +36,17 @@ from offload.pure.profiles import (
     profile_for_device,
     profile_from_numbers,
 )
-from offload.pure.render import render_plan
-from offload.pure.safetensors import printable
+from offload.pure.fit.render import render_estimate, render_fit
+from offload.pure.fit.search import fit
+from offload.pure.plan.make import make_plan
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.plan.render import render_plan
 from offload.pure.serialize import to_data
-from offload.pure.spec import ModelSpec
+from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
+from offload.pure.spec.safetensors import printable
+from offload.pure.spec.values import ModelSpec
+from offload.pure.stats import OffloadStats, render_stats
 from offload.pure.units import format_bytes, gib_to_bytes
-from offload.stats import OffloadStats, render_stats
 
 __all__ = ["DEFAULT_PREFETCH", "EXIT_INTERRUPTED", "EXIT_USER_ERROR", "LOAD_PREFETCH", "build_parser", "main", "one_line"]
 

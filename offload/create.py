@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from offload.executors.build import build_executor
 from offload.protocols import Offloader, Runtime
-from offload.pure.plan import OffloadPlan
+from offload.pure.plan.plan import OffloadPlan
 from offload.runtime.cpu import CpuRuntime
 
 if TYPE_CHECKING:

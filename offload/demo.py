@@ -24,11 +24,11 @@ from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError, OffloadError
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
-from offload.pure.env import EnvSnapshot, Platform
-from offload.pure.plan import Backend, OffloadPlan
-from offload.pure.planner import make_plan
+from offload.pure.env.snapshot import EnvSnapshot, Platform
+from offload.pure.plan.make import make_plan
+from offload.pure.plan.plan import Backend, OffloadPlan
+from offload.pure.stats import OffloadStats
 from offload.pure.units import format_bytes
-from offload.stats import OffloadStats
 
 __all__ = ["DEMO_LIMITS", "DemoBlock", "DemoResult", "build_demo_model", "demo_memory_bytes", "run_demo"]
 

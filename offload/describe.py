@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from offload.errors import PlanError
-from offload.pure.spec import (
+from offload.pure.spec.values import (
     LayerSpec,
     ModelSpec,
     ParamSpec,

@@ -6,7 +6,7 @@
   same executor code on a machine without a GPU; tests inject recording fakes. Executors
   never call ``torch.cuda`` themselves.
 - `HostBlocks`: what a runtime offers, beside `Runtime`, to hold several host copies in
-  one allocation (one copy per prefetched layer, `offload.pure.blocks`). A runtime without
+  one allocation (one copy per prefetched layer, `offload.pure.plan.blocks`). A runtime without
   it gets one host copy per storage and one memcpy per buffer.
 - `RegisteredRanges`: what a runtime offers to cut copies where host memory that someone
   else registered (a segment shared between processes, `offload.sharing`) is registered
@@ -22,14 +22,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from offload.pure.check import LiveCheck
-from offload.pure.decisions import PinMethod
-from offload.pure.plan import OffloadPlan
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.plan.plan import OffloadPlan
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from offload.stats import OffloadStats
+    from offload.pure.stats import OffloadStats
 
 __all__ = ["Event", "HostBlocks", "Offloader", "PreparedCopies", "RegisteredRanges", "Runtime"]
 

@@ -21,8 +21,8 @@ from offload.checkpoint import (
     spec_from_checkpoint,
 )
 from offload.errors import CheckpointError
-from offload.pure.safetensors import SAFETENSORS_DTYPES, TensorHeader
-from offload.pure.spec import COMPUTE_DEVICE, DTYPE_ITEMSIZE
+from offload.pure.spec.safetensors import SAFETENSORS_DTYPES, TensorHeader
+from offload.pure.spec.values import COMPUTE_DEVICE, DTYPE_ITEMSIZE
 
 ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "F16": 2}
 GIB = 1 << 30

@@ -23,9 +23,9 @@ from offload import (
     preset_spec,
 )
 from offload.cli import DEFAULT_PREFETCH, main
-from offload.pure.admission import NOT_CHECKED
-from offload.pure.presets import preset_outside_bytes
+from offload.pure.decide.admission import NOT_CHECKED
 from offload.pure.serialize import from_data
+from offload.pure.spec.presets import preset_outside_bytes
 from offload.pure.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]

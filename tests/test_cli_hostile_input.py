@@ -178,7 +178,7 @@ def test_demo_impossible_sizes_are_refused_up_front(capsys: pytest.CaptureFixtur
 def test_demo_size_beyond_the_hosts_memory_is_refused_naming_the_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     from offload.demo import run_demo
     from offload.errors import ConfigError
-    from offload.pure.env import Platform
+    from offload.pure.env.snapshot import Platform
 
     small_host = EnvSnapshot(platform=Platform(host_available_bytes=64 << 20))
     lines: list[str] = []

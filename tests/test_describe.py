@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload.describe import describe_layers, storage_key
 from offload.errors import PlanError
-from offload.pure.spec import LayerSpec, ModelSpec, ParamSpec
+from offload.pure.spec.values import LayerSpec, ModelSpec, ParamSpec
 
 
 class Mlp(nn.Module):

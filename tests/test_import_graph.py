@@ -110,7 +110,7 @@ def test_the_graph_sees_imports_inside_functions_and_type_checking_blocks() -> N
     # offload.create imports offload.sharing.offloader inside create_offloader only.
     assert "offload.sharing.offloader" in graph["offload.create"]
     # offload.protocols names torch-free values only, and the stats under TYPE_CHECKING.
-    assert "offload.stats" in graph["offload.protocols"]
+    assert "offload.pure.stats" in graph["offload.protocols"]
 
 
 def test_the_core_imports_nothing_of_the_shell() -> None:

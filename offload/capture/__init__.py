@@ -11,8 +11,8 @@ module to that; the runtimes' own device calls are theirs).
 - `smaps`: what a shared segment takes of each process (``/proc/<pid>/smaps``).
 - `host`: this boot's id (``/proc/sys/kernel/random/boot_id``), which tells hosts apart.
 
-What is read is parsed by pure functions (`offload.pure.procfs`, `offload.pure.cgroup`,
-`offload.pure.numa`), so tests feed them sample texts.
+What is read is parsed by pure functions (`offload.pure.env.procfs`, `offload.pure.env.cgroup`,
+`offload.pure.decide.numa`), so tests feed them sample texts.
 """
 
 from offload.capture.env import (

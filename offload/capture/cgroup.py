@@ -9,7 +9,7 @@ file cache (``memory.stat``). The memory controller is on v1 when a v1 line of
 
 Every path is taken under a root directory, so tests build a fake ``/proc`` and
 ``/sys/fs/cgroup`` in a temporary directory. The texts are parsed by
-`offload.pure.procfs`, the levels combined by `offload.pure.cgroup`. Nothing here raises
+`offload.pure.env.procfs`, the levels combined by `offload.pure.env.cgroup`. Nothing here raises
 for a missing file: what cannot be read is unknown, with one line in
 `Platform.probe_notes` saying so.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from offload.pure.cgroup import (
+from offload.pure.env.cgroup import (
     CgroupLevel,
     CgroupMemory,
     binding_cgroup,
@@ -30,14 +30,14 @@ from offload.pure.cgroup import (
     limit_file,
     usage_file,
 )
-from offload.pure.env import Platform
-from offload.pure.procfs import (
+from offload.pure.env.procfs import (
     parse_cgroup_bytes,
     parse_cgroup_limit,
     parse_cgroup_mounts,
     parse_cgroup_reclaimable,
     parse_proc_cgroup,
 )
+from offload.pure.env.snapshot import Platform
 
 __all__ = ["MOUNTINFO_PATH", "PROC_CGROUP_PATH", "probe_cgroup", "with_cgroup_memory"]
 

@@ -32,8 +32,8 @@ import torch
 
 from offload.capture.cgroup import with_cgroup_memory
 from offload.capture.numa import with_numa_topology
-from offload.pure.env import EnvSnapshot, Platform, parse_env
-from offload.pure.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
+from offload.pure.env.procfs import find_libcudart, is_wsl_release, parse_meminfo, parse_memlock_limit
+from offload.pure.env.snapshot import EnvSnapshot, Platform, parse_env
 
 __all__ = [
     "ATTR_CAN_MAP_HOST_MEMORY",

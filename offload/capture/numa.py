@@ -17,8 +17,7 @@ from typing import TypeVar
 import attrs
 import torch
 
-from offload.pure.env import Platform
-from offload.pure.numa import (
+from offload.pure.env.numa import (
     NumaTopology,
     format_node_list,
     normalise_pci_bus_id,
@@ -26,6 +25,7 @@ from offload.pure.numa import (
     parse_numa_node,
     pci_bus_id,
 )
+from offload.pure.env.snapshot import Platform
 
 __all__ = ["NODE_ONLINE", "PCI_NUMA_NODE", "probe_numa", "torch_gpu_bus_id", "with_numa_topology"]
 

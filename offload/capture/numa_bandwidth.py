@@ -15,8 +15,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from offload.pure.decisions import PinMethod
-from offload.pure.numa import NumaTopology, parse_numa_maps
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.env.numa import NumaTopology, parse_numa_maps
 
 __all__ = ["NodeBandwidth", "measure_node_bandwidth", "numa_bandwidth_lines"]
 

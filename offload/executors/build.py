@@ -8,7 +8,7 @@ from offload.executors.noop import NoopOffloader
 from offload.executors.prefetch import PrefetchOffloader
 from offload.executors.uva import UVAOffloader
 from offload.protocols import Offloader, Runtime
-from offload.pure.plan import Backend, OffloadPlan
+from offload.pure.plan.plan import Backend, OffloadPlan
 
 __all__ = ["build_executor"]
 

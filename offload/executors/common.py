@@ -16,8 +16,8 @@ from torch import nn
 from offload.describe import describe_tensor
 from offload.errors import ExecutionError, OffloadError, PlanError
 from offload.executors.hoststore import HostStore
-from offload.pure.plan import ParamPlan
-from offload.pure.spec import ParamSpec
+from offload.pure.plan.plan import ParamPlan
+from offload.pure.spec.values import ParamSpec
 
 __all__ = [
     "Lifecycle",

@@ -7,7 +7,7 @@ A `HostSource` may be injected (`offload.sharing` gives one whose copies lie in 
 shared by the processes of one host): `put` and `place` ask it first, and take their copy
 from the runtime only where it answers None; what it gave is given back to it.
 
-Blocks (`reserve`, `offload.pure.blocks`): several copies of one layer in one allocation,
+Blocks (`reserve`, `offload.pure.plan.blocks`): several copies of one layer in one allocation,
 back to back, where the runtime offers it (`offload.protocols.HostBlocks`) and no source
 is injected. The block is allocated when its first member is placed; each member is a
 copy as any other (its own storage, released on its own); the allocation goes when the
@@ -27,8 +27,8 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.protocols import HostBlocks, Runtime
-from offload.pure.decisions import PinMethod
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
+from offload.pure.decide.pinning import PinMethod
 
 __all__ = ["HostSource", "HostStore", "Ref"]
 

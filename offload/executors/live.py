@@ -17,7 +17,7 @@ from torch import nn
 from offload.executors.common import find_parameter
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck, Location, ParamLocation, expected_place, kept_on_host
-from offload.pure.plan import OffloadPlan
+from offload.pure.plan.plan import OffloadPlan
 
 __all__ = ["inspect_params"]
 

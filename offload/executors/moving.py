@@ -8,7 +8,7 @@ that is pinned is copied into page-locked memory and released as soon as the par
 points at the copy (undo copies it back from there); restore gives each storage back
 and releases its host copy before the next. So host memory peaks at the model's bytes
 plus its largest tensor (its largest layer, where the prefetch backend puts a layer's
-copies in one block: `offload.pure.blocks`), and device memory at the resident weights
+copies in one block: `offload.pure.plan.blocks`), and device memory at the resident weights
 (plus buffers) plus the largest tensor, wherever the weights came from.
 """
 
@@ -35,10 +35,10 @@ from offload.executors.common import (
 )
 from offload.executors.hoststore import HostStore
 from offload.protocols import Runtime
-from offload.pure.admission import HostFit
-from offload.pure.blocks import host_blocks
-from offload.pure.moves import Move, WhereKind, restore_target, where_kind
-from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.decide.admission import HostFit
+from offload.pure.decide.moves import Move, WhereKind, restore_target, where_kind
+from offload.pure.plan.blocks import host_blocks
+from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
 
 __all__ = [
@@ -455,7 +455,7 @@ def view_groups(plan: OffloadPlan, found: Mapping[Ref, Found]) -> tuple[ViewGrou
 
 
 def reserve_blocks(plan: OffloadPlan, found: Mapping[Ref, Found], store: HostStore) -> int:
-    """Reserve in `store` the host blocks of `plan` (`offload.pure.blocks.host_blocks`, for
+    """Reserve in `store` the host blocks of `plan` (`offload.pure.plan.blocks.host_blocks`, for
     the moves found), so that each layer's copies land in one allocation; returns how many.
     Nothing when the store cannot make blocks (`HostStore.blocks_possible`)."""
     if not store.blocks_possible:

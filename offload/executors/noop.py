@@ -15,8 +15,8 @@ from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, mo
 from offload.executors.reload import Weights, write_weights
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck
-from offload.pure.plan import Backend, OffloadPlan
-from offload.stats import OffloadStats
+from offload.pure.plan.plan import Backend, OffloadPlan
+from offload.pure.stats import OffloadStats
 
 __all__ = ["NoopOffloader"]
 

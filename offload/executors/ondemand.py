@@ -25,8 +25,8 @@ from offload.errors import ExecutionError
 from offload.executors.common import Ref, host_of, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.protocols import Runtime
-from offload.pure.decisions import PinDecision
-from offload.pure.plan import ParamPlan
+from offload.pure.decide.pinning import PinDecision
+from offload.pure.plan.plan import ParamPlan
 
 __all__ = [
     "Entries",

@@ -78,14 +78,14 @@ from offload.executors.reload import (
 )
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, PreparedCopies, Runtime
-from offload.pure.blocks import Span, merge_spans, slot_arenas
 from offload.pure.check import LiveCheck
-from offload.pure.layout import owns_buffer
-from offload.pure.plan import Backend, OffloadPlan, ParamPlan
-from offload.pure.revise import revise_plan
-from offload.pure.spec import ParamSpec
+from offload.pure.plan.blocks import Span, merge_spans, slot_arenas
+from offload.pure.plan.layout import owns_buffer
+from offload.pure.plan.plan import Backend, OffloadPlan, ParamPlan
+from offload.pure.plan.revise import revise_plan
+from offload.pure.spec.values import ParamSpec
+from offload.pure.stats import OffloadStats
 from offload.runtime.arena import CAN_CARVE, carve
-from offload.stats import OffloadStats
 
 __all__ = ["PrefetchOffloader"]
 
@@ -291,7 +291,7 @@ class PrefetchOffloader:
         self._landed.clear()
 
     def _allocate_arenas(self, plan: OffloadPlan) -> dict[int, tuple[torch.Tensor, int]]:
-        """Where the host store made blocks (`offload.pure.blocks`): each slot's aligned
+        """Where the host store made blocks (`offload.pure.plan.blocks`): each slot's aligned
         buffers back to back in one device allocation (an arena), each over a storage of
         its own (`offload.runtime.arena.carve`: views of one tensor would alias under
         torch.compile). Returns, by data pointer of each such buffer, (its arena's flat
@@ -989,7 +989,7 @@ class PrefetchOffloader:
                               slots=slots, hosts=self._host.tensors())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
-        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
+        """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward
         steps and/or every `seconds` seconds (checked at each step); no arguments: stop.
 
         Raises:

@@ -43,7 +43,7 @@ from offload.executors.common import Lifecycle, find_parameter, host_owner, rais
 from offload.executors.hoststore import HostStore
 from offload.executors.moving import Progress
 from offload.protocols import Runtime
-from offload.pure.plan import OffloadPlan, ParamPlan
+from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
 
 __all__ = ["Loaded", "Weights", "begin_load", "log_loaded", "refuse_read_only", "route_state_dict_loads",

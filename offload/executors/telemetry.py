@@ -9,11 +9,11 @@ from collections.abc import Callable
 from typing import final
 
 from offload.errors import ExecutionError
-from offload.stats import OffloadStats, render_stats_line
+from offload.pure.stats import OffloadStats, render_stats_line
 
 __all__ = ["StepLog"]
 
-log = logging.getLogger("offload.stats")
+log = logging.getLogger("offload.pure.stats")
 
 
 def _positive_int(value: object) -> bool:
@@ -27,7 +27,7 @@ def _positive_number(value: object) -> bool:
 
 @final
 class StepLog:
-    """Logs one line of stats (logger ``offload.stats``, INFO) every N forward steps or
+    """Logs one line of stats (logger ``offload.pure.stats``, INFO) every N forward steps or
     every S seconds, whichever comes first; off until `configure` turns it on. Asked once
     per step, it costs one attribute test while off."""
 

@@ -92,11 +92,11 @@ from offload.executors.reload import (
 from offload.executors.telemetry import StepLog
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck
-from offload.pure.moves import Move
-from offload.pure.plan import Backend, OffloadPlan, ParamPlan, Placement
-from offload.pure.revise import demote_to_on_demand, revise_plan
-from offload.pure.spec import ParamSpec
-from offload.stats import OffloadStats
+from offload.pure.decide.moves import Move
+from offload.pure.plan.plan import Backend, OffloadPlan, ParamPlan, Placement
+from offload.pure.plan.revise import demote_to_on_demand, revise_plan
+from offload.pure.spec.values import ParamSpec
+from offload.pure.stats import OffloadStats
 
 __all__ = ["UVAOffloader"]
 
@@ -645,7 +645,7 @@ class UVAOffloader:
                               views=views, hosts=self._host.tensors())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
-        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
+        """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward
         steps and/or every `seconds` seconds (checked at each step; steps are counted only
         where some layer copies on demand); no arguments: stop.
 

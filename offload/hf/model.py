@@ -23,15 +23,15 @@ from offload.hf.layers import find_layers
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
-from offload.pure.env import EnvSnapshot
-from offload.pure.estimate import Workload
-from offload.pure.fit import fit
-from offload.pure.plan import OffloadPlan
-from offload.pure.planner import make_plan
-from offload.pure.profiles import PROFILES, DeviceProfile, profile_for_device
-from offload.pure.spec import ModelSpec
+from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import PROFILES, DeviceProfile, profile_for_device
+from offload.pure.fit.search import fit
+from offload.pure.plan.make import make_plan
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.spec.values import ModelSpec
+from offload.pure.stats import OffloadStats
 from offload.pure.units import format_bytes
-from offload.stats import OffloadStats
 
 __all__ = ["DEFAULT_PROFILE", "ModelOffloader", "offload_model", "outside_tensors", "plan_model"]
 

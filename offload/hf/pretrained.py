@@ -21,9 +21,9 @@ from offload.errors import CheckpointError
 from offload.hf.model import ModelOffloader, offload_model
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
-from offload.pure.env import EnvSnapshot
-from offload.pure.estimate import Workload
-from offload.pure.profiles import DeviceProfile
+from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.units import format_bytes
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 #: Field metadata key marking a reading that changes from moment to moment (free memory,
 #: a cgroup's usage); such fields are left out of `EnvSnapshot.fingerprint`. Here, not in
-#: `offload.pure.env`, because the values `Platform` holds mark fields with it too.
+#: `offload.pure.env.snapshot`, because the values `Platform` holds mark fields with it too.
 VOLATILE = "offload.volatile"
 
 

@@ -12,7 +12,7 @@ import enum
 
 import attrs
 
-from offload.pure.plan import OffloadPlan, ParamPlan, Placement
+from offload.pure.plan.plan import OffloadPlan, ParamPlan, Placement
 
 __all__ = ["LiveCheck", "Location", "ParamLocation", "expected_place", "kept_on_host", "render_check"]
 

@@ -8,7 +8,7 @@ import attrs
 
 from offload.errors import ConfigError
 from offload.pure._checks import int_at_least, is_bool, one_of
-from offload.pure.numa_topology import NumaRequest, numa_request
+from offload.pure.env.numa import NumaRequest, numa_request
 
 __all__ = ["BackendName", "HostCheck", "LayerBlocks", "OffloadConfig", "segment_matches"]
 
@@ -22,7 +22,7 @@ HostCheck = Literal["refuse", "warn", "off"]
 _HOST_CHECKS: tuple[str, ...] = get_args(HostCheck)
 
 #: Whether the prefetch backend puts a layer's host copies in one block, so that the
-#: layer is one copy (`offload.pure.blocks`): where a copy is made anyway, also for
+#: layer is one copy (`offload.pure.plan.blocks`): where a copy is made anyway, also for
 #: weights adopted in place (copied once at wrap time), or never.
 LayerBlocks = Literal["auto", "always", "never"]
 _LAYER_BLOCKS: tuple[str, ...] = get_args(LayerBlocks)
@@ -86,12 +86,12 @@ class OffloadConfig:
             `make_plan`), or None (no placement).
         host_check: when the host memory the plan takes does not fit what the machine
             allows (MemAvailable, the cgroup's memory limit, the locked-memory limit; see
-            `offload.pure.admission`): "refuse" (the default) makes ``wrap_modules`` raise
+            `offload.pure.decide.admission`): "refuse" (the default) makes ``wrap_modules`` raise
             before it moves anything, "warn" logs a warning and offloads anyway, "off"
             checks nothing (the verdict is still recorded in the plan).
         layer_blocks: prefetch: whether each layer's host copies lie back to back in one
             host allocation, and its static buffers in one device allocation, so that the
-            layer is one copy instead of one per parameter (`offload.pure.blocks`; only
+            layer is one copy instead of one per parameter (`offload.pure.plan.blocks`; only
             dense weights of a multiple of 256 bytes take part). "auto" (the default):
             where the weights are copied into host memory anyway (from the device, into
             pinned memory, or loaded into it); weights adopted in place (pageable host

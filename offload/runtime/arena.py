@@ -1,6 +1,6 @@
 """Tensors over parts of one device allocation, each over a storage of its own.
 
-A slot's static buffers lie back to back in one allocation (an arena, `offload.pure.blocks`)
+A slot's static buffers lie back to back in one allocation (an arena, `offload.pure.plan.blocks`)
 so that a layer is one copy. As views of one tensor they would alias: torch.compile then
 treats the whole arena as one mutated input (AOTAutograd's synthetic bases, which refuse
 views of different dtypes and fail `assert_size_stride`; inductor clones the arena rather

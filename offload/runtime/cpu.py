@@ -15,7 +15,7 @@ from typing import final
 import torch
 
 from offload.errors import ExecutionError
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.hostmem import pageable_block
 

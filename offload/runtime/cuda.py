@@ -19,7 +19,7 @@ from typing import Any, final
 import torch
 
 from offload.errors import ExecutionError
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
 from offload.runtime.cudart import copy_stream, host_calls

@@ -14,11 +14,11 @@ makes and maps the memory, `pinning` page-locks it, `source` is the executors'
 
 from __future__ import annotations
 
-from offload.sharing.admission import HostMemory, JobMemory, ProcessMemory
+from offload.pure.sharing.admission import HostMemory, JobMemory, ProcessMemory
+from offload.pure.sharing.plan import HostShare, SegmentLayout, SharingPlan, Slot
+from offload.pure.sharing.render import render_sharing
 from offload.sharing.coordinate import DEFAULT_TIMEOUT_S, ShareWith
 from offload.sharing.offloader import SharedOffloader, SharingTimes, share_offloader
-from offload.sharing.plan import HostShare, SegmentLayout, SharingPlan, Slot
-from offload.sharing.render import render_sharing
 from offload.sharing.segment import SEGMENT_PREFIX, leftover_segments
 
 __all__ = [

@@ -80,7 +80,7 @@ class ShareWith:
             None for the default group. Each of its processes calls ``create_offloader``
             with ``share_with`` (its own sharing group; a process that keeps a private copy
             passes a group of its own), and the host admission check sums what all of them
-            on one host take (`offload.sharing.admission`).
+            on one host take (`offload.pure.sharing.admission`).
     """
 
     group: dist.ProcessGroup | None = None

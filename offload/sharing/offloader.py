@@ -7,7 +7,7 @@ weights are refused on every member by name before anything is mapped, and the m
 on each host share one copy (`SharingPlan`). Then every process of the job
 (`ShareWith.job`) tells the others what it will take of its host's memory (a second
 ``all_gather_object``; a failure so far travels with it, so the whole job raises), and
-each judges the sums per host alike (`offload.sharing.admission`): its executor's plan
+each judges the sums per host alike (`offload.pure.sharing.admission`): its executor's plan
 carries its part, and a host that does not fit is refused by ``wrap_modules`` on every
 process, before anything moves. Each gather starts only once every member has come to
 it (`arrive`, through the store): a member that never calls ``create_offloader`` makes
@@ -65,12 +65,10 @@ from offload.executors.common import Ref
 from offload.executors.reload import Weights
 from offload.protocols import Offloader, RegisteredRanges, Runtime
 from offload.pure.check import LiveCheck
-from offload.pure.decisions import PinMethod
-from offload.pure.env import Platform
-from offload.pure.plan import OffloadPlan
-from offload.pure.units import format_bytes, ranks_text
-from offload.runtime.copies import span_chunks
-from offload.sharing.admission import (
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.env.snapshot import Platform
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.sharing.admission import (
     HostMemory,
     JobMemory,
     ProcessMemory,
@@ -80,10 +78,7 @@ from offload.sharing.admission import (
     process_host_bytes,
     refusal_text,
 )
-from offload.sharing.arrival import arrive
-from offload.sharing.coordinate import Channel, Membership, ShareWith, host_identity, membership_of
-from offload.sharing.pinning import PinCalls
-from offload.sharing.plan import (
+from offload.pure.sharing.plan import (
     CACHE_LINE,
     MemberInfo,
     SegmentLayout,
@@ -95,6 +90,12 @@ from offload.sharing.plan import (
     weights_digest,
     weights_of,
 )
+from offload.pure.stats import OffloadStats
+from offload.pure.units import format_bytes, ranks_text
+from offload.runtime.copies import span_chunks
+from offload.sharing.arrival import arrive
+from offload.sharing.coordinate import Channel, Membership, ShareWith, host_identity, membership_of
+from offload.sharing.pinning import PinCalls
 from offload.sharing.segment import (
     SegmentMapping,
     check_room,
@@ -106,7 +107,6 @@ from offload.sharing.segment import (
 )
 from offload.sharing.source import SharedHostSource, slot_moves
 from offload.sharing.verdicts import Verdicts
-from offload.stats import OffloadStats
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -636,7 +636,7 @@ def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.Proces
     on this host. Every member must call it, and every process of the job
     (`ShareWith.job`): it gathers from the sharing group once, then from the job once.
 
-    The second gather is the host admission check of the job (`offload.sharing.admission`):
+    The second gather is the host admission check of the job (`offload.pure.sharing.admission`):
     what every process will take of its host's memory (the segment on leaders, nothing
     on followers whose weights have data, a private copy on processes that do not
     share), summed per host against the host's limits. The offloader's plan carries

@@ -5,7 +5,7 @@
 range with ``cudaHostRegisterReadOnly`` (the device promises not to write it). So the
 register call takes flags here. Each slot is registered on its own, in pieces of at most
 `PIECE_BYTES` (one huge registration can fail and leave a sticky error), at page-aligned
-offsets (`offload.sharing.plan.lay_out` with the page size), so no page is registered
+offsets (`offload.pure.sharing.plan.lay_out` with the page size), so no page is registered
 twice. Before a follower registers, it asks the device whether it takes read-only
 registrations at all (``cudaDevAttrHostRegisterReadOnlySupported``); where it does not,
 nothing is attempted and the copy stays pageable. The calls are injected (`PinCalls`),

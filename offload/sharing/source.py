@@ -30,8 +30,9 @@ from offload.errors import ExecutionError
 from offload.executors.common import find_parameter, torch_dtype
 from offload.executors.hoststore import Ref
 from offload.protocols import RegisteredRanges
-from offload.pure.decisions import PinMethod
-from offload.pure.plan import OffloadPlan
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.sharing.plan import SegmentLayout, Slot
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError
 from offload.sharing.pinning import (
     HOST_REGISTER_DEFAULT,
@@ -41,7 +42,6 @@ from offload.sharing.pinning import (
     register_range,
     unregister_pieces,
 )
-from offload.sharing.plan import SegmentLayout, Slot
 from offload.sharing.segment import SegmentMapping
 
 __all__ = ["SAMPLE_PER_DIM", "SharedHostSource", "same_sample", "slot_moves"]

@@ -12,9 +12,9 @@ from typing import Any, final
 from torch.distributed.distributed_c10d import Store
 
 from offload.errors import ExecutionError
+from offload.pure.sharing.plan import describe_differences
 from offload.pure.units import ranks_text
 from offload.sharing.coordinate import Channel
-from offload.sharing.plan import describe_differences
 
 __all__ = ["Verdicts"]
 

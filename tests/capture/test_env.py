@@ -27,7 +27,7 @@ from offload.capture import (
     torch_cuda_probe,
 )
 from offload.errors import EnvError
-from offload.pure.env import Platform
+from offload.pure.env.snapshot import Platform
 
 GiB = 1024**3
 

@@ -10,8 +10,8 @@ import torch
 
 from offload.capture import capture_env
 from offload.capture.numa import NODE_ONLINE, PCI_NUMA_NODE, probe_numa, torch_gpu_bus_id, with_numa_topology
-from offload.pure.env import Platform
-from offload.pure.numa import NumaTopology
+from offload.pure.env.numa import NumaTopology
+from offload.pure.env.snapshot import Platform
 
 BUS = "0000:17:00.0"
 GPU = Platform(has_cuda=True, device_name="Test GPU", device_total_bytes=1 << 30)

@@ -9,7 +9,7 @@ from typing import final
 import torch
 from torch import nn
 
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from offload.runtime.hostmem import pageable_block
 from tests.executors.fakes import FakeEvent, FakeRuntime, InjectedFailure
 

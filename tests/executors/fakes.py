@@ -43,7 +43,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload.errors import ExecutionError
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from offload.runtime.cpu import CpuRuntime, host_empty_like
 
 #: What `FakeRuntime.waited_seconds` counts per wait outside a capture, in seconds.

@@ -20,7 +20,7 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.protocols import Event
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from tests.executors.fakes import FakeRuntime
 
 __all__ = ["FAULTABLE", "KINDS_OF_ERROR", "NOT_FAULTED", "FaultyRuntime", "make_error"]

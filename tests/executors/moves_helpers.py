@@ -14,7 +14,7 @@ from torch import nn
 
 from offload import EnvFlags, EnvSnapshot, OffloadConfig, OffloadPlan, create_offloader, describe_layers, make_plan
 from offload.protocols import Offloader
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import CUDA_LIKE
 from tests.executors.models import TiedBlock, TransformerBlock, bits, layer_list

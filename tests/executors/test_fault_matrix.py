@@ -40,7 +40,7 @@ from torch import nn
 
 from offload import ExecutionError, OffloadError, OffloadPlan, create_offloader
 from offload.protocols import Offloader
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from tests.executors.fakes import FakeRuntime, HostCopy, HostEmpty, Release
 from tests.executors.faults import FAULTABLE, KINDS_OF_ERROR, FaultyRuntime, make_error
 from tests.executors.helpers import ParamState, snapshot

@@ -1,5 +1,5 @@
 """One copy per prefetched layer: host blocks, device arenas, merged copies
-(`offload.pure.blocks`), run by the prefetch executor."""
+(`offload.pure.plan.blocks`), run by the prefetch executor."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
 from offload.executors import ops
-from offload.pure.blocks import copies_per_step, layer_copies
 from offload.pure.check import Location
+from offload.pure.plan.blocks import copies_per_step, layer_copies
 from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot

@@ -28,7 +28,7 @@ from offload import (
     describe_layers,
     make_plan,
 )
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
 from tests.executors.fakes import CopyTo, FakeRuntime, HostCopy, HostEmpty, ToDevice
 from tests.executors.helpers import (
     CUDA_LIKE,

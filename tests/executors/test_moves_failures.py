@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from offload import ExecutionError, OffloadPlan, create_offloader
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
 from tests.executors.fakes import FakeRuntime, HostCopy, HostEmpty, Release
 from tests.executors.helpers import assert_restored, inputs, snapshot, tie_groups
 from tests.executors.models import TiedBlock, layer_list

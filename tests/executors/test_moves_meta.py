@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload import ExecutionError, OffloadPlan, Placement, create_offloader
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
 from tests.executors.fakes import CopyTo, FakeRuntime, HostCopy, HostEmpty
 from tests.executors.helpers import inputs, tie_groups
 from tests.executors.models import TiedBlock, layer_list

@@ -26,7 +26,7 @@ from offload import (
     PlanError,
     WarningCode,
 )
-from offload.pure.layout import owns_buffer
+from offload.pure.plan.layout import owns_buffer
 from tests.executors.fakes import WAIT_SECONDS, FakeRuntime, HostCopy, HostEmpty, InjectedFailure, Wait
 from tests.executors.helpers import (
     assert_restored,

@@ -49,7 +49,7 @@ from offload import (
     describe_layers,
     make_plan,
 )
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
 from offload.runtime.hostmem import retired_count
 from tests.executors.models import Mlp, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime

@@ -14,7 +14,7 @@ from offload.capture.numa import PCI_NUMA_NODE, torch_gpu_bus_id
 from offload.create import default_runtime
 from offload.describe import describe_layers
 from offload.pure import OffloadConfig
-from offload.pure.numa import parse_numa_maps, parse_numa_node
+from offload.pure.env.numa import parse_numa_maps, parse_numa_node
 
 
 def test_the_probe_reads_the_gpus_node_from_sysfs() -> None:

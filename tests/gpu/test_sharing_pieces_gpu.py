@@ -14,8 +14,8 @@ import torch
 from offload import OffloadConfig, PinMethod
 from offload.executors.prefetch import PrefetchOffloader
 from offload.protocols import RegisteredRanges
+from offload.pure.sharing.plan import lay_out
 from offload.runtime.cuda import CudaRuntime
-from offload.sharing.plan import lay_out
 from offload.sharing.segment import create_segment, reserve_segment, shm_free_bytes, unlink_segment
 from offload.sharing.source import SharedHostSource
 from tests.executors.models import layer_list

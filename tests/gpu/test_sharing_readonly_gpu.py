@@ -15,10 +15,10 @@ import attrs
 import pytest
 import torch
 
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.sharing.plan import SegmentLayout, Slot
 from offload.runtime.hostmem import HostRegisterError
 from offload.sharing.pinning import HOST_REGISTER_FOLLOWER, cuda_pin_calls, register_range, unregister_pieces
-from offload.sharing.plan import SegmentLayout, Slot
 from offload.sharing.segment import create_segment, open_segment, reserve_segment, unlink_segment
 from offload.sharing.source import SharedHostSource
 

@@ -8,9 +8,9 @@ import pytest
 from offload import ConfigError, EnvSnapshot, OffloadConfig, Platform, describe_layers, make_plan
 from offload.hf import find_layers, plan_model
 from offload.hf.model import outside_tensors
-from offload.pure.estimate import Workload
-from offload.pure.fit import fit
-from offload.pure.profiles import PROFILES
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import PROFILES
+from offload.pure.fit.search import fit
 from tests.hf.checkpoints import build
 
 GPU = Platform(has_cuda=True, device_name="fake CUDA device", device_total_bytes=80 << 30,

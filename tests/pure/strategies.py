@@ -24,8 +24,8 @@ from offload.pure import (
     ParamSpec,
     Platform,
 )
-from offload.pure.cgroup import CgroupMemory
-from offload.pure.numa_topology import NumaTopology
+from offload.pure.env.cgroup import CgroupMemory
+from offload.pure.env.numa import NumaTopology
 
 __all__ = [
     "BACKENDS",

@@ -12,9 +12,9 @@ import attrs
 import pytest
 
 from offload import ConfigError, EnvSnapshot, OffloadConfig, make_plan, preset_spec
-from offload.pure.env import Platform
-from offload.pure.estimate import MAX_TOKENS_PER_STEP, Workload, estimate
-from offload.pure.profiles import GB, MAX_RATE, MIN_RATE, TFLOP, profile_by_name, profile_from_numbers
+from offload.pure.env.snapshot import Platform
+from offload.pure.fit.estimate import MAX_TOKENS_PER_STEP, Workload, estimate
+from offload.pure.fit.profiles import GB, MAX_RATE, MIN_RATE, TFLOP, profile_by_name, profile_from_numbers
 from offload.pure.units import GIB, MAX_BYTES, gib_to_bytes
 
 # ---- sizes in GiB -----------------------------------------------------------------------------

@@ -23,8 +23,8 @@ seen = {}
 import offload.pure
 seen["after offload.pure"] = "torch" in sys.modules
 import offload.pure as pure
-for info in pkgutil.iter_modules(pure.__path__):
-    importlib.import_module("offload.pure." + info.name)
+for info in pkgutil.walk_packages(pure.__path__, "offload.pure."):
+    importlib.import_module(info.name)
 seen["after every offload.pure module"] = "torch" in sys.modules
 import offload
 from offload import EnvSnapshot, OffloadConfig, OffloadPlan, make_plan, preset_spec, render_plan
@@ -106,15 +106,16 @@ def violations(source: str) -> list[str]:
     return [name for name, pattern in FORBIDDEN.items() if pattern.search(code)]
 
 
-PURE_FILES = sorted(PURE.glob("*.py"))
+PURE_FILES = sorted(PURE.rglob("*.py"))
 
 
 def test_there_is_source_to_scan() -> None:
-    names = {p.name for p in PURE_FILES}
-    assert {"env.py", "decisions.py", "planner.py", "plan.py", "schedule.py"} <= names
+    names = {p.relative_to(PURE).as_posix() for p in PURE_FILES}
+    assert {"env/snapshot.py", "decide/pinning.py", "plan/make.py", "plan/plan.py", "plan/schedule.py",
+            "sharing/plan.py", "stats.py", "check.py"} <= names
 
 
-@pytest.mark.parametrize("path", PURE_FILES, ids=[p.name for p in PURE_FILES])
+@pytest.mark.parametrize("path", PURE_FILES, ids=[p.relative_to(PURE).as_posix() for p in PURE_FILES])
 def test_pure_source_has_no_effects(path: Path) -> None:
     assert violations(path.read_text()) == []
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.pure.numa import NumaMapsEntry, parse_node_list, parse_numa_maps
+from offload.pure.env.numa import NumaMapsEntry, parse_node_list, parse_numa_maps
 from offload.runtime.hostmem import register_host_tensor
 from offload.runtime.numa import MPOL_PREFERRED, HostPlacer, libc_mbind, node_mask
 from tests.runtime.test_hostmem import FakeCudart

@@ -7,8 +7,8 @@ import os
 
 import attrs
 
+from offload.pure.sharing.plan import SegmentLayout
 from offload.sharing.pinning import PinCalls
-from offload.sharing.plan import SegmentLayout
 from offload.sharing.segment import SegmentMapping, create_segment, open_segment, unlink_segment
 
 __all__ = ["FakePins", "mapped_twice"]

@@ -17,11 +17,11 @@ import torch
 from torch._C._distributed_c10d import HashStore
 
 from offload import ConfigError, ExecutionError
+from offload.pure.sharing.plan import MemberInfo
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing import ShareWith, share_offloader
 from offload.sharing.arrival import arrive
 from offload.sharing.coordinate import Membership
-from offload.sharing.plan import MemberInfo
 from tests.executors.helpers import cpu_plan
 from tests.sharing.cluster import run_ranks
 from tests.sharing.jobs import run_job

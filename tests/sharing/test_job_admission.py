@@ -29,9 +29,9 @@ from offload import (
     describe_layers,
     make_plan,
 )
+from offload.pure.sharing.plan import lay_out
 from offload.sharing import SharedOffloader, ShareWith, render_sharing, share_offloader
 from offload.sharing.coordinate import Membership
-from offload.sharing.plan import lay_out
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import CUDA_LIKE, on_compute_device, snapshot
 from tests.executors.models import layer_list

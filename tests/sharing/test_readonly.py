@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from offload import EnvSnapshot, OffloadConfig, OffloadPlan, describe_layers, make_plan
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.sharing.plan import SegmentLayout, lay_out
 from offload.sharing import ShareWith, share_offloader
 from offload.sharing.coordinate import Membership
 from offload.sharing.pinning import (
@@ -24,7 +25,6 @@ from offload.sharing.pinning import (
     HOST_REGISTER_FOLLOWER,
     PinCalls,
 )
-from offload.sharing.plan import SegmentLayout, lay_out
 from offload.sharing.segment import SegmentMapping
 from offload.sharing.source import SharedHostSource
 from tests.executors.fakes import FakeRuntime

@@ -11,11 +11,11 @@ import torch
 
 from offload import EnvSnapshot, ExecutionError, OffloadConfig, OffloadPlan, describe_layers, make_plan
 from offload.executors.hoststore import HostStore
-from offload.pure.decisions import PinMethod
-from offload.pure.moves import Move
+from offload.pure.decide.moves import Move
+from offload.pure.decide.pinning import PinMethod
+from offload.pure.sharing.plan import CACHE_LINE, SegmentLayout, lay_out
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing.pinning import HOST_REGISTER_DEFAULT, HOST_REGISTER_FOLLOWER, HOST_REGISTER_READ_ONLY
-from offload.sharing.plan import CACHE_LINE, SegmentLayout, lay_out
 from offload.sharing.segment import SegmentMapping
 from offload.sharing.source import SharedHostSource, same_sample
 from tests.executors.models import layer_list, transformer_model

@@ -26,7 +26,7 @@ from offload import (
     make_plan,
 )
 from offload.protocols import Offloader
-from offload.pure.decisions import PinMethod
+from offload.pure.decide.pinning import PinMethod
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing import SharedOffloader, ShareWith, render_sharing, share_offloader
 from offload.sharing.coordinate import Membership

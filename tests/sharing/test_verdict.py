@@ -21,10 +21,10 @@ from torch.distributed.distributed_c10d import PrefixStore
 
 from offload import ExecutionError
 from offload.capture.smaps import segment_memory
+from offload.pure.sharing.plan import MemberInfo, describe_differences, plan_sharing
 from offload.runtime.cpu import CpuRuntime
 from offload.sharing import ShareWith, share_offloader
 from offload.sharing.coordinate import Membership
-from offload.sharing.plan import MemberInfo, describe_differences, plan_sharing
 from offload.sharing.segment import SHM_DIR
 from tests.executors.helpers import assert_restored, cpu_plan, patched_layers, snapshot
 from tests.executors.models import bits, layer_list

@@ -1,0 +1,206 @@
+"""`fit`'s candidates: what each configuration costs, read off the `Table`, and their ranking.
+
+Costs and ranking are as `offload.pure.fit.search` describes them; a candidate's step comes from
+the same simulation `estimate` runs. `FitCandidate` is public as
+``offload.pure.fit.search.FitCandidate``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import attrs
+
+from offload.pure.config import OffloadConfig
+from offload.pure.fit.estimate import simulate_prefetch
+from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes
+from offload.pure.plan.schedule import PrefetchSchedule, schedule_prefetch
+from offload.pure.units import format_bytes
+
+__all__ = [
+    "BACKEND_ORDER",
+    "FitCandidate",
+    "best_depth",
+    "close",
+    "compare",
+    "describe",
+    "none_candidate",
+    "prefetch_candidate",
+    "same_outcome",
+    "tie_key",
+    "uva_candidates",
+]
+
+_TOL = 1e-9
+#: Ties on time and bytes go to the simpler backend.
+BACKEND_ORDER = {"none": 0, "prefetch": 1, "uva": 2}
+
+
+@attrs.frozen(kw_only=True)
+class FitCandidate:
+    """One configuration the search evaluated, with what it costs. Bytes and seconds.
+
+    Attributes:
+        config: the configuration (backend explicit).
+        step_seconds: predicted steady-state step time.
+        limit_seconds: max(resident compute, offloaded bytes per step / pinned rate); the
+            bytes of layers loaded once (alone in their slot) are not per step.
+        resident_bytes: weights that stay in device memory.
+        buffer_bytes: static prefetch buffers in device memory.
+        transient_bytes: the largest layer's on-demand copy (0 unless UVA falls back).
+        outside_bytes: weights outside the layers (embeddings, head, final norm), always
+            resident: the caller's figure.
+        reserve_bytes: the caller's reserve.
+        host_bytes: host memory for the host copies.
+    """
+
+    config: OffloadConfig
+    step_seconds: float
+    limit_seconds: float
+    resident_bytes: int
+    buffer_bytes: int
+    transient_bytes: int
+    outside_bytes: int
+    reserve_bytes: int
+    host_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        """resident + buffers + transient + outside + reserve: what must fit the budget."""
+        return (self.resident_bytes + self.buffer_bytes + self.transient_bytes + self.outside_bytes
+                + self.reserve_bytes)
+
+
+def describe(config: OffloadConfig, *, joiner: str = ": ") -> str:
+    """A one-line description of a configuration, with its filter: ``prefetch: group_size
+    8, num_in_group 2, prefetch_step 1`` (``joiner`` goes after the backend's name)."""
+    if config.backend == "prefetch":
+        text = (f"prefetch{joiner}group_size {config.group_size}, num_in_group {config.num_in_group}, "
+                f"prefetch_step {config.prefetch_step}")
+    elif config.backend == "uva":
+        text = f"uva{joiner}uva_max_bytes {config.uva_max_bytes} ({format_bytes(config.uva_max_bytes)})"
+    else:
+        text = f"backend {config.backend}"
+    return text + (f", filter {', '.join(config.param_filter)}" if config.param_filter else "")
+
+
+def _candidate(table: Table, config: OffloadConfig, *, busy: Sequence[float], offloaded_bytes: int,
+               host: int, buffers: int = 0, transient: int = 0,
+               copy: Sequence[float] = (), positions: Sequence[int] = (),
+               schedule: PrefetchSchedule | None = None) -> FitCandidate:
+    """A candidate's figures, computed as `estimate` computes them."""
+    stalls = simulate_prefetch(busy, copy, positions, schedule)[0] if schedule is not None and positions else ()
+    step = sum(b + s for b, s in zip(busy, stalls, strict=True)) if stalls else sum(busy)
+    limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s)
+    return FitCandidate(config=config, step_seconds=step, limit_seconds=limit,
+                        resident_bytes=table.resident_bytes - host, buffer_bytes=buffers,
+                        transient_bytes=transient, outside_bytes=table.outside, reserve_bytes=table.reserve,
+                        host_bytes=host)
+
+
+def none_candidate(table: Table) -> FitCandidate:
+    """Backend none: every weight resident."""
+    return _candidate(table, OffloadConfig(backend="none"), busy=table.compute, offloaded_bytes=0, host=0)
+
+
+def uva_candidates(table: Table, budget: int) -> tuple[FitCandidate | None, FitCandidate | None]:
+    """(the smallest UVA prefix that fits, the prefix that needs the fewest device bytes)."""
+    fits: FitCandidate | None = None
+    leanest: tuple[int, int] | None = None  # (device bytes, prefix length)
+    per_layer = [0] * len(table.compute)
+    host = largest = 0
+    for m, (nbytes, reads) in enumerate(table.uva_groups, start=1):
+        host += nbytes
+        for layer, moved in reads:
+            per_layer[layer] += moved
+            largest = max(largest, per_layer[layer])
+        transient = 0 if table.uva_enabled else largest
+        device = table.resident_bytes - host + transient + table.fixed_bytes
+        if host > 0 and (leanest is None or device < leanest[0]):
+            leanest = (device, m)
+        if host > 0 and device <= budget:
+            fits = _uva_candidate(table, m)
+            break
+    return fits, (_uva_candidate(table, leanest[1]) if leanest is not None else None)
+
+
+def _uva_candidate(table: Table, m: int) -> FitCandidate:
+    """UVA over the first `m` storages (in layer order) of the table's UVA groups."""
+    per_layer = [0] * len(table.compute)
+    for _, reads in table.uva_groups[:m]:
+        for layer, moved in reads:
+            per_layer[layer] += moved
+    host = sum(nbytes for nbytes, _ in table.uva_groups[:m])
+    rate = table.profile.zero_copy_bytes_per_s if table.uva_enabled else table.copy_rate
+    busy = [c + b / rate for c, b in zip(table.compute, per_layer, strict=True)]
+    config = OffloadConfig(backend="uva", uva_max_bytes=host, param_filter=table.segments)
+    return _candidate(table, config, busy=busy, offloaded_bytes=sum(per_layer), host=host,
+                      transient=0 if table.uva_enabled else max(per_layer))
+
+
+def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: int) -> FitCandidate:
+    """Prefetch of `expanded`'s layers at `depth`, with `buffers` static buffer bytes."""
+    ls = expanded.layer_set
+    config = OffloadConfig(backend="prefetch", group_size=ls.group_size, num_in_group=ls.num_in_group,
+                           prefetch_step=depth, param_filter=table.segments)
+    rate = table.copy_rate
+    # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
+    per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth)
+    return _candidate(table, config, busy=table.compute, offloaded_bytes=per_step,
+                      host=ls.host_bytes, buffers=buffers,
+                      copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
+                      positions=expanded.positions, schedule=_schedule(len(expanded.positions), depth))
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(num_offloaded: int, depth: int) -> PrefetchSchedule:
+    """`schedule_prefetch`, remembered: the search asks for the same few many times."""
+    return schedule_prefetch(num_offloaded, depth)
+
+
+def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int) -> tuple[FitCandidate | None, int]:
+    """The best fitting depth for one layer set, and how many depths were simulated."""
+    expanded = expand(table, layer_set)
+    best: FitCandidate | None = None
+    runs = 0
+    # One kind of layer at every position: buffers grow with depth, so stop at the first misfit.
+    monotone = len(expanded.kinds) == 1
+    for depth in range(1, min(len(expanded.positions), max_step) + 1):
+        buffers = buffer_bytes(expanded, depth)
+        if table.resident_bytes - layer_set.host_bytes + buffers + table.fixed_bytes > budget:
+            if monotone:
+                break
+            continue
+        candidate = prefetch_candidate(table, expanded, depth, buffers)
+        runs += 1
+        if best is None or compare(candidate, best) < 0:
+            best = candidate
+        if candidate.step_seconds <= layer_set.bound_seconds or close(candidate.step_seconds, layer_set.bound_seconds):
+            break  # no deeper prefetch is faster than the bound
+    return best, runs
+
+
+def close(a: float, b: float) -> bool:
+    """Equal within a relative 1e-9: step times that differ by less are a tie."""
+    return abs(a - b) <= _TOL * max(abs(a), abs(b))
+
+
+def tie_key(c: FitCandidate) -> tuple[int, int, int, int, int, int, int]:
+    """What breaks a tie on step time, least first: host bytes, device bytes, backend, settings."""
+    cfg = c.config
+    return (c.host_bytes, c.device_bytes, BACKEND_ORDER[cfg.backend], cfg.group_size,
+            cfg.num_in_group, cfg.prefetch_step, cfg.uva_max_bytes)
+
+
+def compare(a: FitCandidate, b: FitCandidate) -> int:
+    """Negative when `a` ranks before `b` (see `offload.pure.fit.search`), 0 when equal."""
+    if not close(a.step_seconds, b.step_seconds):
+        return -1 if a.step_seconds < b.step_seconds else 1
+    ta, tb = tie_key(a), tie_key(b)
+    return -1 if ta < tb else (1 if ta > tb else 0)
+
+
+def same_outcome(a: FitCandidate, b: FitCandidate) -> bool:
+    """The same step (within `close`), host bytes and device bytes."""
+    return close(a.step_seconds, b.step_seconds) and (a.host_bytes, a.device_bytes) == (b.host_bytes, b.device_bytes)

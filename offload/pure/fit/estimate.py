@@ -1,0 +1,431 @@
+"""Predict the steady-state time of one step (a forward over every layer) under a plan.
+
+The model, per layer ``l`` of a step:
+
+- *compute*: the layer's time with every weight resident. From the profile it is the
+  larger of ``2 x parameters x tokens / bf16 FLOP/s`` and ``weight bytes / weight-read
+  bytes/s`` (a roofline: few tokens are bound by reading the weights); given a measured
+  resident step time, that time split over the layers in proportion to their parameters.
+- *prefetch copy*: ``copy bytes / link rate`` on the one host-to-device link, at the
+  pinned or pageable rate the plan's pin decision implies. Copies are issued as the
+  plan's schedule says (``initial`` before the first pass, then ``next_after[i]`` right
+  after offloaded position ``i`` finishes), run one at a time in issue order, and overlap
+  compute. A layer starts when the layer before it has finished and its own copy has
+  landed; the wait is its *stall*. A layer alone in its slot
+  (`PrefetchSchedule.kept_positions`) is copied once, before the first pass, and keeps
+  its slot: in the steady state it moves nothing and never stalls (copies an old
+  schedule names for it are not issued, `PrefetchSchedule.issued_after`, as the
+  executor does not issue them); its bytes are reported as *loaded once*, not per step.
+- *UVA read*: ``UVA bytes / (pinned rate x zero-copy fraction)``, added to the layer.
+- *on demand*: ``bytes / link rate`` (pinned or pageable per the plan), added to the
+  layer; nothing overlaps it.
+
+Passes are simulated with event times until the pass duration repeats (period 1 to 4
+passes), and the steady-state passes are reported, because with circular prefetch the
+first layers of the next step load during this one. The limit a step cannot beat is
+``max(resident compute, offloaded bytes per step / pinned rate)`` (FACTS.md), counting
+the bytes that cross the link every step (layers loaded once are not among them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from offload.errors import ConfigError, PlanError
+from offload.pure._checks import check_int_at_least, is_int, positive_number
+from offload.pure.fit.profiles import DeviceProfile
+from offload.pure.plan.plan import OffloadPlan, Placement
+from offload.pure.plan.schedule import PrefetchSchedule
+from offload.pure.serialize import to_data
+
+__all__ = [
+    "MAX_TOKENS_PER_STEP",
+    "LayerEstimate",
+    "StepEstimate",
+    "Workload",
+    "estimate",
+    "layer_compute_seconds",
+    "simulate_prefetch",
+]
+
+_MAX_PASSES = 48
+_MAX_PERIOD = 4
+_REL_TOL = 1e-9
+#: The most tokens one step may process: 2**40, beyond any batch, and small enough that
+#: 2 x parameters x tokens stays a finite float for any model up to 2**60 bytes.
+MAX_TOKENS_PER_STEP = 1 << 40
+
+
+def _tokens(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_int_at_least(attribute.name, value, 1, ConfigError)
+    if is_int(value) and value > MAX_TOKENS_PER_STEP:
+        raise ConfigError(f"{attribute.name} must be an integer from 1 to {MAX_TOKENS_PER_STEP} (2**40), "
+                          f"got {_short_int(value)}", name=attribute.name, value=value)
+
+
+def _short_int(value: int) -> str:
+    """`value` in decimal, cut to its first 24 digits and a count when longer (``str`` of
+    an int past 4300 digits raises)."""
+    digits = int(value.bit_length() * math.log10(2)) + 1
+    if digits > 4000:
+        return f"an integer of about {digits} digits"
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:24]}... ({len(text)} digits)"
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """What one step processes.
+
+    Attributes:
+        tokens_per_step: tokens in one forward pass (batch x sequence), from 1 to
+            `MAX_TOKENS_PER_STEP` (2**40).
+        resident_step_seconds: a measured step time with every weight resident, seconds;
+            when given it replaces the profile's FLOP-based compute time.
+    """
+
+    tokens_per_step: int = attrs.field(default=1, validator=_tokens)
+    resident_step_seconds: float | None = attrs.field(
+        default=None, validator=positive_number(ConfigError, optional=True)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class LayerEstimate:
+    """One layer's share of a steady-state step. Times in seconds, sizes in bytes.
+
+    Attributes:
+        layer: the layer index.
+        compute_seconds: the layer's time with its weights resident.
+        copy_seconds: its prefetch copy's time on the link per step (overlaps earlier
+            layers); 0 for a layer loaded once.
+        stall_seconds: time it waited for that copy after the layer before it finished.
+        uva_read_seconds: time reading UVA weights through zero-copy views.
+        on_demand_seconds: time copying on-demand weights before it runs.
+        copy_bytes: bytes prefetched for it per step; 0 for a layer loaded once.
+        uva_bytes: bytes read through zero-copy views per step.
+        on_demand_bytes: bytes copied on demand per step.
+        loaded_once_bytes: bytes prefetched for it once, before the first step, and kept
+            in its slot (it is the only owner of that slot: `PrefetchSchedule.kept_positions`);
+            not moved per step. 0 for every other layer.
+    """
+
+    layer: int
+    compute_seconds: float
+    copy_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    uva_read_seconds: float = 0.0
+    on_demand_seconds: float = 0.0
+    copy_bytes: int = 0
+    uva_bytes: int = 0
+    on_demand_bytes: int = 0
+    loaded_once_bytes: int = 0
+
+    @property
+    def seconds(self) -> float:
+        """The layer's wall time in the step: compute + stall + UVA read + on demand."""
+        return self.compute_seconds + self.stall_seconds + self.uva_read_seconds + self.on_demand_seconds
+
+
+@attrs.frozen(kw_only=True)
+class StepEstimate:
+    """A predicted steady-state step, itemised per layer.
+
+    Attributes:
+        profile: the profile's name.
+        tokens_per_step: tokens per step.
+        compute_from: "flops" (the profile's throughput) or "measured" (a resident step time).
+        copy_bytes_per_s: the rate of prefetch and on-demand copies (pinned or pageable).
+        pinned_bytes_per_s: the pinned rate, which the limit uses.
+        uva_bytes_per_s: the zero-copy read rate.
+        layers: one entry per layer, in order.
+        passes: passes simulated to reach the steady state.
+        period: passes after which the steady state repeats (its figures are averaged).
+    """
+
+    profile: str
+    tokens_per_step: int
+    compute_from: str
+    copy_bytes_per_s: float
+    pinned_bytes_per_s: float
+    uva_bytes_per_s: float
+    layers: tuple[LayerEstimate, ...]
+    passes: int = 1
+    period: int = 1
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted step time, seconds: the sum of the layers' wall times."""
+        return sum(layer.seconds for layer in self.layers)
+
+    @property
+    def compute_seconds(self) -> float:
+        """Resident compute of the whole step, seconds."""
+        return sum(layer.compute_seconds for layer in self.layers)
+
+    @property
+    def stall_seconds(self) -> float:
+        """Time spent waiting for prefetch copies, seconds."""
+        return sum(layer.stall_seconds for layer in self.layers)
+
+    @property
+    def copy_seconds(self) -> float:
+        """Time the link spends on prefetch copies per step, seconds."""
+        return sum(layer.copy_seconds for layer in self.layers)
+
+    @property
+    def uva_read_seconds(self) -> float:
+        """Time spent reading through zero-copy views, seconds."""
+        return sum(layer.uva_read_seconds for layer in self.layers)
+
+    @property
+    def on_demand_seconds(self) -> float:
+        """Time spent copying on demand, seconds."""
+        return sum(layer.on_demand_seconds for layer in self.layers)
+
+    @property
+    def loaded_once_bytes(self) -> int:
+        """Bytes of the layers loaded once and kept in their own slots (not per step)."""
+        return sum(layer.loaded_once_bytes for layer in self.layers)
+
+    @property
+    def offloaded_bytes_per_step(self) -> int:
+        """Bytes that cross the host link per step (prefetch + UVA + on demand); the
+        layers loaded once are not among them."""
+        return sum(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes for layer in self.layers)
+
+    @property
+    def link_seconds(self) -> float:
+        """Offloaded bytes per step / pinned rate, seconds: the link's share of the limit."""
+        return self.offloaded_bytes_per_step / self.pinned_bytes_per_s
+
+    @property
+    def limit_seconds(self) -> float:
+        """max(resident compute, offloaded bytes / pinned rate): no plan beats it."""
+        return max(self.compute_seconds, self.link_seconds)
+
+    @property
+    def ratio_to_limit(self) -> float:
+        """Predicted step / limit (1.0 is the best possible; 1.0 for an empty model)."""
+        return self.step_seconds / self.limit_seconds if self.limit_seconds > 0 else 1.0
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The estimate as JSON (every field; derived totals are not included)."""
+        return json.dumps(to_data(self), indent=indent)
+
+
+def layer_compute_seconds(
+    numels: Sequence[int], weight_bytes: Sequence[int], profile: DeviceProfile, workload: Workload
+) -> tuple[float, ...]:
+    """Each layer's resident compute time, seconds.
+
+    Args:
+        numels: parameters (elements) per layer; FLOPs are ``2 x numel x tokens``.
+        weight_bytes: bytes of weights each layer reads (tied storage once per layer).
+        profile: throughput and weight-read rate.
+        workload: tokens per step, and a measured resident step time if there is one.
+
+    Returns:
+        Per layer: with a measured step time, that time x numel / total numel (evenly when
+        there are no parameters); else max(FLOPs / FLOP/s, weight bytes / weight-read rate).
+    """
+    measured = workload.resident_step_seconds
+    if measured is not None:
+        total = sum(numels)
+        if total == 0:
+            return tuple(measured / len(numels) for _ in numels)
+        return tuple(measured * n / total for n in numels)
+    tokens = workload.tokens_per_step
+    flops = profile.bf16_flops_per_s
+    read = profile.weight_read_bytes_per_s
+    return tuple(
+        max(2.0 * n * tokens / flops, b / read if read is not None else 0.0)
+        for n, b in zip(numels, weight_bytes, strict=True)
+    )
+
+
+def simulate_prefetch(
+    busy: Sequence[float], copy: Sequence[float], positions: Sequence[int], schedule: PrefetchSchedule
+) -> tuple[tuple[float, ...], int, int]:
+    """Event-time simulation of repeated passes; the steady state's stall per layer.
+
+    Args:
+        busy: per layer, seconds it occupies the compute stream once it starts.
+        copy: per offloaded position, seconds its copy occupies the link.
+        positions: per offloaded position, its layer index (increasing).
+        schedule: initial copies and `next_after`, as `schedule_prefetch` builds them;
+            the copies simulated are those issued (`PrefetchSchedule.issued_after`: none
+            of a kept position after the initial copies).
+
+    Returns:
+        (stall seconds per layer averaged over the steady-state period, passes simulated,
+        period in passes).
+
+    Raises:
+        PlanError: `positions`, `copy` and the schedule disagree on how many positions
+            there are.
+    """
+    if not len(positions) == len(copy) == schedule.num_positions:
+        raise PlanError(
+            f"{len(positions)} positions, {len(copy)} copy times and a schedule of "
+            f"{schedule.num_positions} positions do not match",
+            name="positions", value=len(positions),
+        )
+    # Layers that are not offloaded never wait: only the compute between offloaded layers
+    # matters, so a pass steps from one offloaded position to the next.
+    before = [sum(busy[(positions[i - 1] + 1 if i else 0):layer]) for i, layer in enumerate(positions)]
+    after = sum(busy[positions[-1] + 1:]) if positions else sum(busy)
+    own = [busy[layer] for layer in positions]
+    ready = [0.0] * len(positions)  # when the copy for a position's next run lands
+    issued_after = schedule.issued_after
+    link_free = 0.0
+    for first in schedule.initial:
+        link_free += copy[first]
+        ready[first] = link_free
+    now = 0.0
+    durations: list[float] = []
+    waits: list[list[float]] = []
+    while True:
+        started = now
+        pass_waits = [0.0] * len(positions)
+        for i, target in enumerate(issued_after):
+            now += before[i]
+            if ready[i] > now:
+                pass_waits[i] = ready[i] - now
+                now = ready[i]
+            now += own[i]
+            if target is not None:
+                link_free = max(link_free, now) + copy[target]
+                ready[target] = link_free
+        now += after
+        durations.append(now - started)
+        waits.append(pass_waits)
+        period = _period(durations)
+        if period or len(durations) >= _MAX_PASSES:
+            mean = _average(waits[-(period or _MAX_PERIOD):])
+            stalls = [0.0] * len(busy)
+            for i, layer in enumerate(positions):
+                stalls[layer] = mean[i]
+            return tuple(stalls), len(durations), period or _MAX_PERIOD
+
+
+def _period(durations: list[float]) -> int:
+    """The steady state's period in passes once the last durations repeat, else 0."""
+    for period in range(1, _MAX_PERIOD + 1):
+        if len(durations) >= 2 * period + 1 and all(
+            math.isclose(durations[-i], durations[-i - period], rel_tol=_REL_TOL, abs_tol=1e-15)
+            for i in range(1, period + 1)
+        ):
+            return period
+    return 0
+
+
+def _average(rows: list[list[float]]) -> tuple[float, ...]:
+    return tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
+
+
+def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> StepEstimate:
+    """Predict the steady-state step time of `plan` on `profile` for `workload`.
+
+    Args:
+        plan: the plan; its pin decision sets the copy rate, its UVA decision whether
+            UVA-planned weights are read in place (UVA) or copied on demand.
+        profile: the device's rates.
+        workload: tokens per step, or a measured resident step time.
+
+    Returns:
+        The estimate, one `LayerEstimate` per layer index up to the last one with a
+        parameter.
+    """
+    num_layers = max((p.layer for p in plan.params), default=-1) + 1
+    numels = [0] * num_layers
+    weight = [0] * num_layers
+    moved = {placement: [0] * num_layers for placement in (Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND)}
+    for p in plan.params:
+        numels[p.layer] += math.prod(p.shape)
+        if p.tied_to is not None and p.tied_to[0] == p.layer:
+            continue  # the same storage as a parameter of this layer: read and moved once
+        weight[p.layer] += p.nbytes
+        if p.placement is not Placement.RESIDENT:
+            moved[p.placement][p.layer] += p.nbytes
+    compute = layer_compute_seconds(numels, weight, profile, workload)
+    return _from_loads(
+        compute=compute,
+        copy_bytes=moved[Placement.PREFETCH],
+        uva_bytes=moved[Placement.UVA],
+        on_demand_bytes=moved[Placement.ON_DEMAND],
+        positions=plan.offloaded_layers,
+        schedule=plan.schedule,
+        pinned=plan.pin.pin,
+        profile=profile,
+        workload=workload,
+    )
+
+
+def _from_loads(
+    *,
+    compute: Sequence[float],
+    copy_bytes: Sequence[int],
+    uva_bytes: Sequence[int],
+    on_demand_bytes: Sequence[int],
+    positions: Sequence[int],
+    schedule: PrefetchSchedule,
+    pinned: bool,
+    profile: DeviceProfile,
+    workload: Workload,
+) -> StepEstimate:
+    """The estimate from per-layer loads, which `estimate` reads off a plan.
+
+    Args:
+        compute: resident compute per layer, seconds.
+        copy_bytes: bytes prefetched per layer, each time the layer is copied (a layer
+            alone in its slot is copied once: its bytes become `loaded_once_bytes`).
+        uva_bytes, on_demand_bytes: bytes per layer per step, by placement.
+        positions: the offloaded layers in schedule order (``plan.offloaded_layers``).
+        schedule: the prefetch schedule over `positions`.
+        pinned: whether host copies are pinned (sets the copy rate).
+        profile: the device's rates.
+        workload: reported in the estimate.
+    """
+    rate = profile.h2d_bytes_per_s(pinned=pinned)
+    uva_rate = profile.zero_copy_bytes_per_s
+    extra = [u / uva_rate + d / rate for u, d in zip(uva_bytes, on_demand_bytes, strict=True)]
+    busy = [c + e for c, e in zip(compute, extra, strict=True)]
+    copy = [copy_bytes[layer] / rate for layer in positions]
+    once = {positions[i] for i in schedule.kept_positions}
+    per_step = [0 if layer in once else n for layer, n in enumerate(copy_bytes)]
+    passes, period = 1, 1
+    if positions:
+        stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule)
+    else:
+        stalls = tuple(0.0 for _ in busy)
+    return StepEstimate(
+        profile=profile.name,
+        tokens_per_step=workload.tokens_per_step,
+        compute_from="flops" if workload.resident_step_seconds is None else "measured",
+        copy_bytes_per_s=rate,
+        pinned_bytes_per_s=profile.pinned_h2d_bytes_per_s,
+        uva_bytes_per_s=uva_rate,
+        layers=tuple(
+            LayerEstimate(
+                layer=layer,
+                compute_seconds=compute[layer],
+                copy_seconds=per_step[layer] / rate,
+                stall_seconds=stalls[layer],
+                uva_read_seconds=uva_bytes[layer] / uva_rate,
+                on_demand_seconds=on_demand_bytes[layer] / rate,
+                copy_bytes=per_step[layer],
+                uva_bytes=uva_bytes[layer],
+                on_demand_bytes=on_demand_bytes[layer],
+                loaded_once_bytes=copy_bytes[layer] - per_step[layer],
+            )
+            for layer in range(len(compute))
+        ),
+        passes=passes,
+        period=period,
+    )

@@ -1,0 +1,247 @@
+"""`fit`: the fastest offloading configuration whose device memory fits a budget.
+
+Candidates: backend none (all weights resident); prefetch over group size, number in
+group and prefetch depth; UVA over byte budgets. A candidate's device bytes are its
+resident weights + static buffers + the largest layer copied on demand (UVA without
+zero-copy views) + the weights outside the layers (embeddings, head, final norm: the
+caller's `outside_bytes`, always resident) + the caller's reserve; its time is
+`estimate`'s steady-state step.
+
+Plans are made against `planning_env(env, profile)`: on a machine without CUDA that is a
+CUDA platform describing the profile's device, because `make_plan` frees no device memory
+when the compute device is the CPU.
+
+The search, and how it is kept fast (a 126-layer model well under a second, where one
+`make_plan` alone takes milliseconds). Only the chosen configuration gets a real plan;
+the others are predicted from a per-layer table of the model (`offload.pure.fit.table`)
+that reproduces the planner's selection, buffers and byte totals (tests hold the two
+equal), with the same step simulation `estimate` uses (`offload.pure.fit.candidates`).
+
+1. None: if every resident weight plus the outside bytes and the reserve fits, it wins outright (no plan with
+   offloading is faster than resident compute) and nothing else is searched.
+2. UVA: time grows and device bytes shrink with the bytes offloaded, so only the smallest
+   fitting prefix of parameters (in layer order) is a candidate.
+3. Prefetch: group sizes 1..layers (a larger size repeats a tail run) and 1..size layers
+   per group; pairs that offload the same layers are merged (the smallest size wins).
+   For each set of layers a lower bound on its step, max(resident compute, copy bytes
+   per step / link rate), and its fewest device bytes (depth 1) come from prefix sums;
+   the copy bytes per step leave out the most that a depth which may fit keeps alone in
+   a slot (such layers are loaded once, `offload.pure.plan.schedule`, but each slot holds a
+   whole layer). Sets that cannot fit are dropped; the rest are simulated in order of
+   that bound and skipped once the bound cannot beat the last runner-up. Depths
+   1..min(positions, max_prefetch_step) are simulated upward, stopping at the first that
+   reaches the bound.
+
+Ranking: least predicted step (equal within a relative 1e-9), then fewer host bytes, then
+fewer device bytes, then none < prefetch < uva, then smaller group size, number in group,
+depth and UVA budget. Equal inputs give equal results.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+
+import attrs
+
+from offload.errors import ConfigError, PlanError
+from offload.pure._checks import check_int_at_least
+from offload.pure.config import OffloadConfig
+from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.fit.candidates import (
+    BACKEND_ORDER,
+    FitCandidate,
+    best_depth,
+    close,
+    compare,
+    describe,
+    none_candidate,
+    prefetch_candidate,
+    same_outcome,
+    tie_key,
+    uva_candidates,
+)
+from offload.pure.fit.estimate import StepEstimate, Workload, estimate
+from offload.pure.fit.profiles import DeviceProfile, planning_env
+from offload.pure.fit.table import Table, buffer_bytes, build_table, expand, layer_sets
+from offload.pure.plan.make import make_plan
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.serialize import to_data
+from offload.pure.spec.values import ModelSpec
+from offload.pure.units import format_bytes
+
+__all__ = [
+    "DEFAULT_MAX_PREFETCH_STEP",
+    "DEFAULT_RESERVE_BYTES",
+    "DEFAULT_RUNNERS_UP",
+    "FitCandidate",
+    "FitResult",
+    "fit",
+]
+
+#: Device bytes set aside for everything that is not a weight, unless the caller says.
+DEFAULT_RESERVE_BYTES = 0
+#: The deepest prefetch searched: deeper ones rarely help and cost a buffer slot each.
+DEFAULT_MAX_PREFETCH_STEP = 16
+#: How many runners-up a result lists.
+DEFAULT_RUNNERS_UP = 3
+
+@attrs.frozen(kw_only=True)
+class FitResult:
+    """What `fit` chose, and why.
+
+    Attributes:
+        budget_bytes: the device budget, bytes.
+        chosen: the winning candidate (its figures are those of `plan` and `estimate`).
+        plan: the winning plan, made against `env`.
+        estimate: its predicted step.
+        runners_up: the next best candidates that fit, best first, one per outcome (step,
+            host bytes, device bytes); none when backend none fits.
+        profile: the device profile used.
+        workload: the workload used.
+        env: the snapshot the plan was made against (see `planning_env`).
+        simulated: candidates whose step was simulated.
+        considered: distinct candidates the search looked at.
+    """
+
+    budget_bytes: int
+    chosen: FitCandidate
+    plan: OffloadPlan
+    estimate: StepEstimate
+    runners_up: tuple[FitCandidate, ...]
+    profile: DeviceProfile
+    workload: Workload
+    env: EnvSnapshot
+    simulated: int
+    considered: int
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The whole result as JSON (values as `offload.pure.serialize.to_data` lays them out)."""
+        return json.dumps(to_data(self), indent=indent)
+def fit(
+    spec: ModelSpec,
+    env: EnvSnapshot,
+    profile: DeviceProfile,
+    workload: Workload,
+    device_budget_bytes: int,
+    *,
+    outside_bytes: int = 0,
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    param_filter: Sequence[str] = (),
+    max_prefetch_step: int = DEFAULT_MAX_PREFETCH_STEP,
+    runners_up: int = DEFAULT_RUNNERS_UP,
+) -> FitResult:
+    """The configuration with the least predicted step time that fits the budget.
+
+    Args:
+        spec: the model.
+        env: the user's switches and this machine (`planning_env` says what is used).
+        profile: the target device's rates.
+        workload: tokens per step, or a measured resident step time.
+        device_budget_bytes: device bytes that resident weights, static buffers, on-demand
+            copies, the weights outside the layers and the reserve may take together.
+        outside_bytes: device bytes of weights outside the layers (embeddings, output
+            head, final norm), always resident; `spec` does not hold them
+            (`CheckpointSpec.outside_bytes`, `preset_outside_bytes`).
+        reserve_bytes: device bytes kept for everything else (activations, caches).
+        param_filter: dotted name segments; only matching parameters are offloaded.
+        max_prefetch_step: the deepest prefetch searched (>= 1).
+        runners_up: how many runners-up to return (>= 0).
+
+    Returns:
+        The chosen configuration with its plan and estimate, and the runners-up.
+
+    Raises:
+        ConfigError: a negative budget, outside bytes or reserve, a bad filter segment, a
+            bad limit.
+        PlanError: nothing fits; the message names the leanest configuration, the device
+            bytes it needs and by how many bytes it misses the budget.
+    """
+    check_int_at_least("device_budget_bytes", device_budget_bytes, 0, ConfigError)
+    check_int_at_least("outside_bytes", outside_bytes, 0, ConfigError)
+    check_int_at_least("reserve_bytes", reserve_bytes, 0, ConfigError)
+    check_int_at_least("max_prefetch_step", max_prefetch_step, 1, ConfigError)
+    check_int_at_least("runners_up", runners_up, 0, ConfigError)
+    budget, reserve, max_step, keep = device_budget_bytes, reserve_bytes, max_prefetch_step, runners_up
+    segments = OffloadConfig(param_filter=tuple(param_filter)).param_filter  # validates the segments
+    penv = planning_env(env, profile)
+    table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes)
+
+    none = none_candidate(table)
+    if none.device_bytes <= budget:
+        return _result(spec, penv, table, budget, none, (), simulated=0, considered=1)
+
+    top: list[FitCandidate] = []
+    rank = functools.cmp_to_key(compare)
+
+    def offer(candidate: FitCandidate) -> None:
+        # Keep one candidate per outcome (step, host bytes, device bytes): runners-up that
+        # differ only in which layers they offload tell the user nothing.
+        same = next((c for c in top if same_outcome(c, candidate)), None)
+        if same is not None and compare(candidate, same) >= 0:
+            return
+        top[:] = sorted([c for c in top if c is not same] + [candidate], key=rank)[:keep + 1]
+
+    uva, uva_leanest = uva_candidates(table, budget)
+    leanest = [none] + ([uva_leanest] if uva_leanest is not None else [])
+    simulated = 0
+    if uva is not None:
+        offer(uva)
+    sets = layer_sets(table, max_step, budget)
+    everything = next((s for s in sets if s.group_size == 1), None)  # g=1, k=1: every layer
+    if everything is not None:
+        expanded = expand(table, everything)
+        leanest.append(prefetch_candidate(table, expanded, 1, buffer_bytes(expanded, 1)))
+    for layer_set in sorted((s for s in sets if s.min_device_bytes <= budget),
+                            key=lambda s: (s.bound_seconds, s.host_bytes, s.group_size, s.num_in_group)):
+        if len(top) > keep:
+            worst = top[-1]
+            if close(layer_set.bound_seconds, worst.step_seconds):
+                least = (layer_set.host_bytes, layer_set.min_device_bytes, BACKEND_ORDER["prefetch"],
+                         layer_set.group_size, layer_set.num_in_group, 1, 0)
+                if least >= tie_key(worst):
+                    continue  # at best a tie on time, and it loses the tie
+            elif layer_set.bound_seconds > worst.step_seconds:
+                break  # sorted by bound: no later set can rank either
+        best, runs = best_depth(table, layer_set, budget, max_step)
+        simulated += runs
+        if best is not None:
+            offer(best)
+    if not top:
+        lean = min(leanest, key=lambda c: (c.device_bytes, BACKEND_ORDER[c.config.backend]))
+        over = lean.device_bytes - budget
+        raise PlanError(
+            f"no configuration fits the device budget of {format_bytes(budget)} ({budget} bytes): the leanest, "
+            f"{describe(lean.config, joiner=' with ')}, needs {format_bytes(lean.device_bytes)} "
+            f"({lean.device_bytes} bytes = "
+            f"resident {lean.resident_bytes} + buffers {lean.buffer_bytes} + on-demand {lean.transient_bytes} + "
+            f"outside {lean.outside_bytes} + reserve {lean.reserve_bytes}), {over} bytes ({format_bytes(over)}) more than the budget",
+            name="device_budget_bytes",
+            value=budget,
+        )
+    return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
+                   simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets))
+
+
+def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best: FitCandidate,
+            others: tuple[FitCandidate, ...], *, simulated: int, considered: int) -> FitResult:
+    """Make the real plan of the winner and check it against the search's prediction."""
+    plan = make_plan(spec, best.config, penv)
+    step = estimate(plan, table.profile, table.workload)
+    chosen = attrs.evolve(
+        best, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds,
+        resident_bytes=plan.device_bytes_resident, buffer_bytes=plan.device_bytes_buffers,
+        transient_bytes=max((layer.on_demand_bytes for layer in step.layers), default=0),
+        host_bytes=plan.host_bytes,
+    )
+    if chosen.device_bytes != best.device_bytes or not close(chosen.step_seconds, best.step_seconds):
+        raise PlanError(
+            f"internal inconsistency: the search predicted {best.device_bytes} device bytes and a "
+            f"{best.step_seconds} s step for {describe(best.config, joiner=' with ')}, its plan takes "
+            f"{chosen.device_bytes} bytes and {chosen.step_seconds} s; please report this",
+            name="config", value=best.config,
+        )
+    return FitResult(budget_bytes=budget, chosen=chosen, plan=plan, estimate=step, runners_up=others,
+                     profile=table.profile, workload=table.workload, env=penv,
+                     simulated=simulated, considered=considered)
