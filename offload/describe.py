@@ -106,8 +106,8 @@ def _metadata(name: str, tensor: torch.Tensor, device: torch.device) -> _Metadat
             _key_suffix(shape, stride, dtype))
 
 
-#: Groups of parameters, each as a prefix for their names and (name, tensor) pairs.
-_Named = Iterable[tuple[str, Iterable[tuple[str, torch.Tensor | None]]]]
+#: (name, tensor) pairs of one layer, names relative to it; None tensors are skipped.
+_Named = Iterable[tuple[str, torch.Tensor | None]]
 
 
 def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, ...]:
@@ -118,66 +118,123 @@ def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, 
 
     Args:
         layer_index: for errors.
-        named: (prefix, pairs): each pair's name is ``prefix + "." + name``, or ``name``
-            where the prefix is empty.
+        named: (name, tensor) pairs.
         memo: the `_Metadata` of the kinds seen so far.
     """
     specs: list[ParamSpec] = []
-    append, build, known, strided = specs.append, trusted_param_spec, memo.get, _STRIDED
-    for prefix, pairs in named:
-        dot = f"{prefix}." if prefix else ""
-        for relative, tensor in pairs:
-            if tensor is None:
-                continue
-            name = dot + relative
-            if tensor.layout != strided:
-                raise PlanError(
-                    f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
-                    "only strided (dense) tensors can be offloaded",
-                    name=name,
-                    value=str(tensor.layout),
-                )
-            device = tensor.device
+    append, build, strided = specs.append, trusted_param_spec, _STRIDED
+    for name, tensor in named:
+        if tensor is None:
+            continue
+        if tensor.layout is not strided:  # layouts are singletons, equal only to themselves
+            raise PlanError(
+                f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
+                "only strided (dense) tensors can be offloaded",
+                name=name,
+                value=str(tensor.layout),
+            )
+        device = tensor.device
+        try:
+            kind = (tensor.shape, tensor.stride(), tensor.dtype, device)
             try:
-                kind = (tensor.shape, tensor.stride(), tensor.dtype, device)
-                meta = known(kind)
-                if meta is None:
-                    meta = memo[kind] = _metadata(name, tensor, device)
-            except TypeError:  # symbolic sizes do not hash: describe this one on its own
-                meta = _metadata(name, tensor, device)
-            shape, stride, dtype, itemsize, where, is_meta, numel, nbytes, suffix = meta
-            # storage_key(tensor) from the parts in `meta` (the same text: a test holds them equal).
-            key: str | None
-            try:
-                storage = tensor.untyped_storage()
-                if is_meta:
-                    key = f"meta@storage{hex(storage._cdata)}+{tensor.storage_offset()}{suffix}"
-                else:
-                    pointer = storage.data_ptr()
-                    key = f"{where}@{hex(pointer)}+{tensor.storage_offset()}{suffix}" if pointer != 0 else None
-            except (RuntimeError, NotImplementedError, AttributeError):
-                key = None
-            append(build(name, shape, stride, dtype, itemsize, key, where, numel, nbytes))
+                meta = memo[kind]
+            except KeyError:
+                meta = memo[kind] = _metadata(name, tensor, device)
+        except TypeError:  # symbolic sizes do not hash: describe this one on its own
+            meta = _metadata(name, tensor, device)
+        shape, stride, dtype, itemsize, where, is_meta, numel, nbytes, suffix = meta
+        # storage_key(tensor) from the parts in `meta` (the same text: a test holds them equal).
+        key: str | None
+        try:
+            storage = tensor.untyped_storage()
+            if is_meta:
+                key = f"meta@storage{hex(storage._cdata)}+{tensor.storage_offset()}{suffix}"
+            else:
+                pointer = storage.data_ptr()
+                key = f"{where}@{hex(pointer)}+{tensor.storage_offset()}{suffix}" if pointer != 0 else None
+        except (RuntimeError, NotImplementedError, AttributeError):
+            key = None
+        append(build(name, shape, stride, dtype, itemsize, key, where, numel, nbytes))
     return tuple(specs)
 
 
 _NAMED_PARAMETERS = nn.Module.named_parameters
 _NAMED_MEMBERS = nn.Module._named_members
+_NAMED_MODULES = nn.Module.named_modules
+_OBJECT_HASH = object.__hash__
+
+
+def _walked_as_module(kind: type[nn.Module]) -> bool:
+    """Whether torch walks a module of class `kind` as it walks ``nn.Module``: its
+    ``named_modules`` is ``nn.Module``'s, and its hash the identity's (that
+    ``named_modules`` hashes each module, checking it against the modules seen; a class
+    with a hash of its own, or none, is left to torch, which calls it or fails as it
+    does)."""
+    return kind.named_modules is _NAMED_MODULES and kind.__hash__ is _OBJECT_HASH
+
+
+def _gather(prefix: str, module: nn.Module, out: list[tuple[str, torch.Tensor | None]]) -> bool:
+    """Append to `out` the parameters of `module` and its submodules, named and ordered
+    as ``named_modules(remove_duplicate=False)`` then each module's ``_parameters``
+    give them (None ones included, as there), in one walk.
+
+    Args:
+        prefix: the name of `module` in its layer ("" for the layer); names are
+            ``prefix + "." + name`` where the prefix is not empty, as torch makes them.
+        module: a module `_walked_as_module`.
+        out: where the pairs go.
+
+    Returns:
+        False, with `out` partly filled, at the first submodule that is not
+        `_walked_as_module` (the caller then asks torch); True otherwise.
+    """
+    dot = f"{prefix}." if prefix else ""
+    append = out.append
+    for name, tensor in module._parameters.items():
+        append((dot + name, tensor))
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        if not _walked_as_module(type(child)):
+            return False
+        sub = dot + name
+        if child._modules:
+            if not _gather(sub, child, out):
+                return False
+            continue
+        # A module without submodules (most of them): its parameters without a call.
+        sub_dot = f"{sub}." if sub else ""
+        for relative, tensor in child._parameters.items():
+            append((sub_dot + relative, tensor))
+    return True
 
 
 def _named_parameters(layer: nn.Module) -> _Named:
     """``layer.named_parameters(remove_duplicate=False)`` as `_describe` reads it: the
-    same names and tensors in the same order (a test holds them equal).
+    same names and tensors in the same order, and None entries (which it skips) between
+    them (a test holds them equal).
 
-    Where `layer` lists its parameters as ``nn.Module`` does, they are read off
-    ``named_modules`` directly: ``named_parameters`` checks each parameter against a memo
-    of those seen, which is always empty without removing duplicates but hashes the
-    tensor (in Python) all the same, a good part of describing a large model.
+    Where `layer` and all its submodules are walked as ``nn.Module`` walks them, the
+    pairs are read off each module's ``_modules`` and ``_parameters`` in one recursive
+    walk (`_gather`). ``named_parameters`` walks the same modules through a generator
+    per module (``named_modules``), checking each against a set of modules seen and each
+    parameter against one of parameters seen (both always empty without removing
+    duplicates, but each check hashes, the parameter's in Python): in a layer of many
+    small modules, the larger part of describing it. Where `layer` walks its own way,
+    torch's ``named_modules`` walks (or, where it lists its parameters its own way, its
+    ``named_parameters``).
     """
     kind = type(layer)
     if kind.named_parameters is not _NAMED_PARAMETERS or kind._named_members is not _NAMED_MEMBERS:
-        return (("", layer.named_parameters(remove_duplicate=False)),)
-    return ((prefix, module._parameters.items()) for prefix, module in layer.named_modules(remove_duplicate=False))
+        return layer.named_parameters(remove_duplicate=False)
+    if _walked_as_module(kind):
+        pairs: list[tuple[str, torch.Tensor | None]] = []
+        if _gather("", layer, pairs):
+            return pairs
+    # A module walked its own way: torch's walk, each module's parameters as above.
+    return ((f"{prefix}.{name}" if prefix else name, tensor)
+            for prefix, module in layer.named_modules(remove_duplicate=False)
+            for name, tensor in module._parameters.items())
 
 
 def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamSpec:
@@ -186,7 +243,7 @@ def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamS
     Raises:
         PlanError: the tensor is not dense (strided).
     """
-    return _describe(layer_index, (("", ((name, tensor),)),), {})[0]
+    return _describe(layer_index, ((name, tensor),), {})[0]
 
 
 def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:

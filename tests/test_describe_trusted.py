@@ -64,6 +64,19 @@ class Listing(nn.Module):
         yield "a_second", self.a
 
 
+class OwnWalk(nn.Module):
+    """Walks its own way: named_modules (and so named_parameters) lists it, not its child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2))
+        self.hidden = nn.Linear(2, 2)
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        yield prefix, self
+
+
 class _Double(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 2 * x
@@ -101,6 +114,9 @@ def models() -> dict[str, list[nn.Module]]:
         "its own listing": [Listing(), Listing()],
         "parametrized": [_parametrized(), _parametrized()],
         "mixed devices": [Block(device="meta"), Block(), Holder({"w": nn.Parameter(torch.zeros(8, 8))})],
+        "deeply nested": [nn.Sequential(Block(shared), nn.Sequential(nn.ModuleList([Block(), Block(shared)])))
+                          for _ in range(2)],
+        "a submodule walked its own way": [nn.Sequential(Block(), OwnWalk()), OwnWalk()],
     }
 
 
@@ -142,8 +158,7 @@ def _env() -> EnvSnapshot:
 def test_parameters_are_named_parameters_without_removing_duplicates(name: str) -> None:
     for layer in models()[name]:
         expected = list(layer.named_parameters(remove_duplicate=False))
-        walked = [(f"{prefix}.{n}" if prefix else n, t)
-                  for prefix, pairs in _named_parameters(layer) for n, t in pairs if t is not None]
+        walked = [(n, t) for n, t in _named_parameters(layer) if t is not None]
         assert [n for n, _ in walked] == [n for n, _ in expected]
         assert all(a is b for (_, a), (_, b) in zip(walked, expected, strict=True))
         described = describe_layers([layer]).layers[0].params
