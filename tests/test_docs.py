@@ -1,0 +1,61 @@
+"""The documentation holds together: the README is a front door (short, linking to
+`docs/`), every relative link in it and in `docs/` resolves inside the repository, and
+`docs/architecture.md` names every package of `offload` and no package that does not exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+#: A package as docs/architecture.md names it: `offload/pure/plan/`.
+PACKAGE_NAME = re.compile(r"`(offload(?:/[a-z_]+)*)/`")
+
+
+def _slugs(text: str) -> set[str]:
+    """The anchors GitHub makes of a document's headings."""
+    out = set()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_the_readme_is_a_front_door() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    for needed in ("bash scripts/setup.sh && .venv/bin/offload demo", "bash scripts/check.sh", "docs/architecture.md"):
+        assert needed in readme, needed
+
+
+def test_every_relative_link_resolves_inside_the_repository() -> None:
+    broken = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (doc.parent / path).resolve() if path else doc
+            if ROOT not in resolved.parents and resolved != ROOT:
+                broken.append(f"{doc.name}: {target} (outside the repository)")
+            elif not resolved.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in _slugs(resolved.read_text(encoding="utf-8")):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_every_doc_is_linked_from_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert {d.name for d in DOCS[1:]} <= set(re.findall(r"docs/([\w\-]+\.md)", readme))
+
+
+def test_the_architecture_names_every_package_and_only_those() -> None:
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "offload").rglob("__init__.py")}
+    named = set(PACKAGE_NAME.findall((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")))
+    assert packages - named == set(), "packages docs/architecture.md does not name"
+    assert named - packages == set(), "packages docs/architecture.md names that do not exist"
