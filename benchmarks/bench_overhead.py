@@ -76,7 +76,6 @@ from torch import nn
 from benchmarks.copies_off import CopiesOff
 from offload import (
     EnvSnapshot,
-    LayerBlocks,
     OffloadConfig,
     OffloadPlan,
     Placement,
@@ -88,6 +87,7 @@ from offload import (
 )
 from offload.create import default_runtime
 from offload.protocols import Offloader
+from offload.pure import LayerBlocks
 
 HIDDEN = 64
 INNER = 128

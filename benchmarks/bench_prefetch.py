@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from offload import OffloadConfig, PrefetchOffloader, capture_env, create_offloader, describe_layers, make_plan
+from offload import OffloadConfig, capture_env, create_offloader, describe_layers, make_plan
 from offload.capture.numa_bandwidth import numa_bandwidth_lines
+from offload.executors import PrefetchOffloader
 from offload.graphs import capture_forward
 
 LAYERS = 24

@@ -42,8 +42,10 @@ from pathlib import Path
 
 import torch
 
-from offload import CudaRuntime, PinMethod, capture_env
+from offload import capture_env
 from offload.capture.numa_bandwidth import numa_bandwidth_lines
+from offload.pure import PinMethod
+from offload.runtime.cuda import CudaRuntime
 
 HIDDEN, INNER = 4096, 16384
 TOKENS = (1, 16, 256)

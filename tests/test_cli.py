@@ -12,17 +12,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from offload import (
-    Backend,
-    OffloadPlan,
-    Placement,
-    capture_env,
-    decide_pinning,
-    decide_uva,
-    make_plan,
-    preset_spec,
-)
+from offload import Backend, OffloadPlan, Placement, capture_env, decide_pinning, decide_uva, make_plan
 from offload.cli import DEFAULT_PREFETCH, main
+from offload.pure import preset_spec
 from offload.pure.decide.admission import NOT_CHECKED
 from offload.pure.serialize import from_data
 from offload.pure.spec.presets import preset_outside_bytes

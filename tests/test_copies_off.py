@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from benchmarks.copies_off import CopiesOff
-from offload import CpuRuntime, ExecutionError
+from offload import ExecutionError
 from offload.protocols import HostBlocks, PreparedCopies
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.blocks_helpers import BlockRuntime
 
 

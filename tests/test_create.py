@@ -9,22 +9,20 @@ import torch
 
 from offload import (
     Backend,
-    CpuRuntime,
-    CudaRuntime,
     EnvSnapshot,
     ExecutionError,
-    NoopOffloader,
     OffloadConfig,
     OffloadPlan,
     PlanError,
-    PrefetchOffloader,
-    UVAOffloader,
     create_offloader,
     describe_layers,
     make_plan,
     protocols,
 )
 from offload.create import default_runtime
+from offload.executors import NoopOffloader, PrefetchOffloader, UVAOffloader
+from offload.runtime.cpu import CpuRuntime
+from offload.runtime.cuda import CudaRuntime
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import cpu_plan, cuda_like_plan, pinned_plan
 from tests.executors.models import layer_list, transformer_model

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import Backend, EnvSnapshot, OffloadConfig, Placement, UvaReason
+from offload import Backend, EnvSnapshot, OffloadConfig, Placement
 from offload.cli import main
 from offload.demo import build_demo_model, run_demo, summarize
+from offload.pure import UvaReason
 
 
 def model_bytes(layers: int, hidden: int) -> int:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import OffloadConfig, PrefetchOffloader
+from offload import OffloadConfig
+from offload.executors import PrefetchOffloader
 from offload.graphs import captured
 from tests.executors.fakes import FakeRuntime, Sync, Wait
 from tests.executors.helpers import cuda_like_plan, inputs, prefetch

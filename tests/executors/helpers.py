@@ -15,12 +15,11 @@ from offload import (
     OffloadConfig,
     OffloadPlan,
     Platform,
-    PrefetchOffloader,
-    UVAOffloader,
     create_offloader,
     describe_layers,
     make_plan,
 )
+from offload.executors import PrefetchOffloader, UVAOffloader
 from offload.protocols import Runtime
 from tests.executors.fakes import FakeRuntime
 from tests.executors.models import HIDDEN, bits, layer_list

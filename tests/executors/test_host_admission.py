@@ -13,13 +13,8 @@ import torch
 from torch import nn
 
 from offload import (
-    CgroupMemory,
     EnvSnapshot,
     ExecutionError,
-    HostCheck,
-    HostFit,
-    HostLimit,
-    NoopOffloader,
     OffloadConfig,
     OffloadPlan,
     WarningCode,
@@ -27,7 +22,9 @@ from offload import (
     describe_layers,
     make_plan,
 )
+from offload.executors import NoopOffloader
 from offload.protocols import Offloader
+from offload.pure import CgroupMemory, HostCheck, HostFit, HostLimit
 from tests.executors.fakes import FakeRuntime, HostCopy
 from tests.executors.helpers import CUDA_LIKE, assert_restored, inputs, on_compute_device, snapshot
 from tests.executors.models import layer_list, transformer_model

@@ -14,10 +14,12 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import CpuRuntime, ExecutionError, LayerBlocks, OffloadConfig
+from offload import ExecutionError, OffloadConfig
 from offload.executors import ops
+from offload.pure import LayerBlocks
 from offload.pure.check import Location
 from offload.pure.plan.blocks import copies_per_step, layer_copies
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.blocks_helpers import BlockRuntime, OddMiddle, linear_stack, odd_middle_model
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, pinned_plan, prefetch, snapshot

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, LiveCheck, Location, OffloadConfig, Placement, create_offloader, render_check
+from offload import ExecutionError, LiveCheck, OffloadConfig, Placement, create_offloader, render_check
+from offload.pure.check import Location
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import cpu_plan, pinned_plan, prefetch, uva
 from tests.executors.models import layer_list, transformer_model

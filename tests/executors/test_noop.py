@@ -7,18 +7,9 @@ import copy
 import pytest
 import torch
 
-from offload import (
-    Backend,
-    CpuRuntime,
-    ExecutionError,
-    NoopOffloader,
-    OffloadConfig,
-    OffloadStats,
-    Placement,
-    PlanError,
-    PrefetchOffloader,
-    create_offloader,
-)
+from offload import Backend, ExecutionError, OffloadConfig, OffloadStats, Placement, PlanError, create_offloader
+from offload.executors import NoopOffloader, PrefetchOffloader
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.helpers import assert_restored, cpu_plan, inputs, patched_layers, snapshot
 from tests.executors.models import layer_list, mixed_model, transformer_model
 

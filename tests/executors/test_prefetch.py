@@ -16,17 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from offload import (
-    CpuRuntime,
-    ExecutionError,
-    OffloadConfig,
-    OffloadPlan,
-    PinMethod,
-    PinReason,
-    PlanError,
-    WarningCode,
-)
+from offload import ExecutionError, OffloadConfig, OffloadPlan, PlanError, WarningCode
+from offload.pure import PinMethod, PinReason
 from offload.pure.plan.layout import owns_buffer
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.fakes import WAIT_SECONDS, FakeRuntime, HostCopy, HostEmpty, InjectedFailure, Wait
 from tests.executors.helpers import (
     assert_restored,

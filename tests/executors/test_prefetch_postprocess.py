@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload import BufferPlan, OffloadConfig, OffloadPlan, PrefetchOffloader, WarningCode
+from offload import OffloadConfig, OffloadPlan, WarningCode
+from offload.executors import PrefetchOffloader
+from offload.pure import BufferPlan
 from tests.executors.helpers import cpu_plan, inputs, prefetch
 from tests.executors.models import (
     BroadcastScaleBlock,

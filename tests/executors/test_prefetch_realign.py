@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from offload import ExecutionError, OffloadConfig, PrefetchOffloader
+from offload import ExecutionError, OffloadConfig
+from offload.executors import PrefetchOffloader
 from tests.executors.fakes import Copy, FakeRuntime, Wait
 from tests.executors.helpers import cpu_plan, inputs, pinned_plan, prefetch
 from tests.executors.models import TransformerBlock, layer_list, transformer_model

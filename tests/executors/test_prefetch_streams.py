@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, OffloadConfig, OffloadPlan, PrefetchOffloader
+from offload import ExecutionError, OffloadConfig, OffloadPlan
+from offload.executors import PrefetchOffloader
 from tests.executors.fakes import Copy, Entry, FakeEvent, FakeRuntime, Read, Record, Sync, Wait
 from tests.executors.helpers import cpu_plan, cuda_like_plan, inputs, prefetch
 from tests.executors.models import ProbeBlock, layer_list, transformer_model

@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from offload import CpuRuntime, LayerBlocks, OffloadConfig
+from offload import OffloadConfig
 from offload.protocols import PreparedCopies
+from offload.pure import LayerBlocks
 from offload.runtime.copies import byte_span, span_chunks
-from offload.runtime.cpu import CpuEvent
+from offload.runtime.cpu import CpuEvent, CpuRuntime
 from tests.executors.blocks_helpers import BlockRuntime, linear_stack
 from tests.executors.fakes import Copy
 from tests.executors.helpers import assert_restored, cpu_plan, prefetch, snapshot

@@ -11,17 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from offload import (
-    CpuRuntime,
-    ExecutionError,
-    OffloadConfig,
-    OffloadPlan,
-    PrefetchOffloader,
-    create_offloader,
-    render_stats,
-    render_stats_line,
-)
-from offload.pure.stats import OffloadStats
+from offload import ExecutionError, OffloadConfig, OffloadPlan, create_offloader, render_stats
+from offload.executors import PrefetchOffloader
+from offload.pure.stats import OffloadStats, render_stats_line
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.fakes import COPY_SECONDS_PER_BYTE, WAIT_SECONDS, FakeRuntime, Wait
 from tests.executors.helpers import cpu_plan, inputs, pinned_plan, prefetch, uva
 from tests.executors.models import layer_list, transformer_model

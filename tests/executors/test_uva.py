@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import Placement, UvaReason
+from offload import Placement
+from offload.pure import UvaReason
 from tests.executors.fakes import FakeRuntime, ToDevice, View
 from tests.executors.helpers import assert_restored, inputs, patched_layers, snapshot, tie_groups, uva
 from tests.executors.models import (

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, PinMethod, PinReason, Placement, UvaReason, WarningCode
+from offload import ExecutionError, Placement, WarningCode
+from offload.pure import PinMethod, PinReason, UvaReason
 from tests.executors.fakes import FakeRuntime, HostCopy, HostEmpty, InjectedFailure, Release, ToDevice, View
 from tests.executors.helpers import assert_restored, inputs, patched_layers, snapshot, tie_groups, uva
 from tests.executors.models import (

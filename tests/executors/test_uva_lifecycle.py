@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, OffloadPlan, PinDecision, PinReason, PlanError
+from offload import ExecutionError, OffloadPlan, PinDecision, PlanError
+from offload.pure import PinReason
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import assert_restored, inputs, patched_layers, snapshot, uva
 from tests.executors.models import TransformerBlock, layer_list, transformer_model

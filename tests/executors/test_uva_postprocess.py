@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import ExecutionError, OffloadPlan, UVAOffloader, WarningCode
+from offload import ExecutionError, OffloadPlan, WarningCode
+from offload.executors import UVAOffloader
 from tests.executors.fakes import FakeRuntime, HostCopy, InjectedFailure, Release, View
 from tests.executors.helpers import assert_restored, inputs, snapshot, tie_groups, uva
 from tests.executors.models import (

@@ -11,7 +11,8 @@ from typing import TypeVar, final
 import attrs
 import torch
 
-from offload import CudaRuntime, PinMethod
+from offload.pure import PinMethod
+from offload.runtime.cuda import CudaRuntime
 
 __all__ = ["HostRecord", "RecordingCudaRuntime", "measure_freed"]
 

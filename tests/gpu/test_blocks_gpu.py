@@ -9,8 +9,10 @@ import copy
 import pytest
 import torch
 
-from offload import LayerBlocks, OffloadConfig, PrefetchOffloader, create_offloader
+from offload import OffloadConfig, create_offloader
+from offload.executors import PrefetchOffloader
 from offload.graphs import capture_forward
+from offload.pure import LayerBlocks
 from offload.runtime.cuda import CudaRuntime
 from tests.executors.models import layer_list
 from tests.gpu.test_prefetch_gpu import gpu_inputs, gpu_model, plan_for

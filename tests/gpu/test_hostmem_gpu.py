@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import CudaRuntime, PinMethod
+from offload.pure import PinMethod
 from offload.runtime.copies import span_chunks
+from offload.runtime.cuda import CudaRuntime
 from offload.runtime.cudart import copy_stream
 from offload.runtime.hostmem import register_host_tensor
 

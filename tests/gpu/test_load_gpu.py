@@ -40,15 +40,14 @@ from offload import (
     EnvSnapshot,
     OffloadConfig,
     OffloadPlan,
-    PinMethod,
     Placement,
-    PrefetchOffloader,
-    UVAOffloader,
     capture_env,
     create_offloader,
     describe_layers,
     make_plan,
 )
+from offload.executors import PrefetchOffloader, UVAOffloader
+from offload.pure import PinMethod
 from offload.pure.decide.moves import Move
 from offload.runtime.hostmem import retired_count
 from tests.executors.models import Mlp, bits, layer_list

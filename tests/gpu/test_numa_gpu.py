@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import CudaRuntime, PinMethod, capture_env, make_plan
+from offload import capture_env, make_plan
 from offload.capture.numa import PCI_NUMA_NODE, torch_gpu_bus_id
 from offload.create import default_runtime
 from offload.describe import describe_layers
-from offload.pure import OffloadConfig
+from offload.pure import OffloadConfig, PinMethod
 from offload.pure.env.numa import parse_numa_maps, parse_numa_node
+from offload.runtime.cuda import CudaRuntime
 
 
 def test_the_probe_reads_the_gpus_node_from_sysfs() -> None:

@@ -17,18 +17,18 @@ import torch
 from torch import nn
 
 from offload import (
-    ENV_VARIABLES,
     EnvSnapshot,
     ExecutionError,
     OffloadConfig,
     OffloadPlan,
-    PrefetchOffloader,
     capture_env,
     create_offloader,
     describe_layers,
     make_plan,
 )
+from offload.executors import PrefetchOffloader
 from offload.graphs import capture_forward
+from offload.pure import ENV_VARIABLES
 from tests.executors.models import Int8Linear, SlicedBlock, TransformerBlock, bits, layer_list
 from tests.gpu.runtimes import RecordingCudaRuntime, measure_freed
 

@@ -11,9 +11,10 @@ import os
 import pytest
 import torch
 
-from offload import OffloadConfig, PinMethod
+from offload import OffloadConfig
 from offload.executors.prefetch import PrefetchOffloader
 from offload.protocols import RegisteredRanges
+from offload.pure import PinMethod
 from offload.pure.sharing.plan import lay_out
 from offload.runtime.cuda import CudaRuntime
 from offload.sharing.segment import create_segment, reserve_segment, shm_free_bytes, unlink_segment

@@ -27,20 +27,20 @@ import torch
 from torch import nn
 
 from offload import (
-    CudaRuntime,
     EnvSnapshot,
     ExecutionError,
     OffloadConfig,
     OffloadPlan,
-    PinMethod,
     Placement,
-    UVAOffloader,
     capture_env,
     create_offloader,
     describe_layers,
     make_plan,
 )
+from offload.executors import UVAOffloader
 from offload.graphs import capture_forward
+from offload.pure import PinMethod
+from offload.runtime.cuda import CudaRuntime
 from tests.executors.models import TransformerBlock, bits, layer_list
 from tests.executors.uva_helpers import OptionalTiedBlock
 from tests.gpu.runtimes import RecordingCudaRuntime, measure_freed

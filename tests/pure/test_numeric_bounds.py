@@ -11,7 +11,8 @@ from typing import Any
 import attrs
 import pytest
 
-from offload import ConfigError, EnvSnapshot, OffloadConfig, make_plan, preset_spec
+from offload import ConfigError, EnvSnapshot, OffloadConfig, make_plan
+from offload.pure import preset_spec
 from offload.pure.env.snapshot import Platform
 from offload.pure.fit.estimate import MAX_TOKENS_PER_STEP, Workload, estimate
 from offload.pure.fit.profiles import GB, MAX_RATE, MIN_RATE, TFLOP, profile_by_name, profile_from_numbers

@@ -27,7 +27,8 @@ for info in pkgutil.walk_packages(pure.__path__, "offload.pure."):
     importlib.import_module(info.name)
 seen["after every offload.pure module"] = "torch" in sys.modules
 import offload
-from offload import EnvSnapshot, OffloadConfig, OffloadPlan, make_plan, preset_spec, render_plan
+from offload import EnvSnapshot, OffloadConfig, OffloadPlan, make_plan, render_plan
+from offload.pure import preset_spec
 seen["after offload"] = "torch" in sys.modules
 for config in (OffloadConfig(group_size=4, prefetch_step=2), OffloadConfig(uva_max_bytes=1 << 34)):
     plan = make_plan(preset_spec("mixtral-8x7b"), config, EnvSnapshot())

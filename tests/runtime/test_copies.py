@@ -6,8 +6,9 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from offload import CpuRuntime, PinMethod
+from offload.pure import PinMethod
 from offload.runtime.copies import byte_span, is_dense, span_chunks
+from offload.runtime.cpu import CpuRuntime
 from offload.runtime.hostmem import register_host_tensor, span_bytes
 from tests.runtime.test_hostmem import FakeCudart
 

@@ -9,8 +9,10 @@ import mmap
 import pytest
 import torch
 
-from offload import CpuRuntime, ExecutionError, PinMethod
+from offload import ExecutionError
+from offload.pure import PinMethod
 from offload.runtime.copies import span_chunks
+from offload.runtime.cpu import CpuRuntime
 from offload.runtime.hostmem import (
     HostRegisterError,
     Layout,

@@ -18,17 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload import (
-    EnvSnapshot,
-    ExecutionError,
-    HostCheck,
-    HostFit,
-    OffloadPlan,
-    Platform,
-    WarningCode,
-    describe_layers,
-    make_plan,
-)
+from offload import EnvSnapshot, ExecutionError, OffloadPlan, Platform, WarningCode, describe_layers, make_plan
+from offload.pure import HostCheck, HostFit
 from offload.pure.sharing.plan import lay_out
 from offload.sharing import SharedOffloader, ShareWith, render_sharing, share_offloader
 from offload.sharing.coordinate import Membership

@@ -7,18 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload import (
-    EnvSnapshot,
-    LayerSpec,
-    ModelSpec,
-    OffloadConfig,
-    OffloadPlan,
-    ParamSpec,
-    Platform,
-    contiguous_stride,
-    make_plan,
-)
+from offload import EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, OffloadPlan, ParamSpec, Platform, make_plan
 from offload.errors import ConfigError
+from offload.pure import contiguous_stride
 from offload.pure.decide.moves import Move
 from offload.pure.plan.blocks import (
     ALIGN,

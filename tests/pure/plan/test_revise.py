@@ -16,9 +16,9 @@ from offload import (
     Platform,
     WarningCode,
     check_schedule,
-    contiguous_stride,
     make_plan,
 )
+from offload.pure import contiguous_stride
 from offload.pure.plan.revise import demote_to_on_demand, revise_plan
 
 GPU = EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=1 << 40, can_map_host_memory=True))

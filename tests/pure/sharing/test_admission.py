@@ -11,17 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from offload import (
-    CgroupMemory,
-    EnvSnapshot,
-    HostCheck,
-    HostFit,
-    HostLimit,
-    OffloadConfig,
-    WarningCode,
-    describe_layers,
-    make_plan,
-)
+from offload import EnvSnapshot, OffloadConfig, WarningCode, describe_layers, make_plan
+from offload.pure import CgroupMemory, HostCheck, HostFit, HostLimit
 from offload.pure.decide.admission import HostAdmission, LimitCheck
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.sharing.admission import (
