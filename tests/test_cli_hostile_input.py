@@ -176,7 +176,7 @@ def test_demo_impossible_sizes_are_refused_up_front(capsys: pytest.CaptureFixtur
 
 
 def test_demo_size_beyond_the_hosts_memory_is_refused_naming_the_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    from offload.demo import run_demo
+    from offload.cli.demo import run_demo
     from offload.errors import ConfigError
     from offload.pure.env.snapshot import Platform
 

@@ -15,7 +15,7 @@ import pytest
 
 from offload import capture_env
 from offload.cli import main
-from offload.progress_line import ProgressLine
+from offload.cli.progress import ProgressLine
 from offload.pure.units import format_bytes
 from tests.hf.checkpoints import build, save
 

@@ -7,7 +7,7 @@ import torch
 
 from offload import Backend, ConfigError, EnvSnapshot, OffloadConfig
 from offload.cli import main
-from offload.demo import build_demo_model, run_demo, summarize
+from offload.cli.demo import build_demo_model, run_demo, summarize
 
 
 def test_run_demo_on_the_cpu_is_bit_exact_and_restores() -> None:

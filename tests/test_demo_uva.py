@@ -8,7 +8,7 @@ import torch
 
 from offload import Backend, EnvSnapshot, OffloadConfig, Placement
 from offload.cli import main
-from offload.demo import build_demo_model, run_demo, summarize
+from offload.cli.demo import build_demo_model, run_demo, summarize
 from offload.pure import UvaReason
 
 

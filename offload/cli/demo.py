@@ -9,6 +9,7 @@ result says so.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ import attrs
 import torch
 from torch import nn
 
+from offload.cli._shared import UserError, capture
 from offload.create import create_offloader
 from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError, OffloadError
@@ -27,7 +29,8 @@ from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot, Platform
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import Backend, OffloadPlan
-from offload.pure.stats import OffloadStats
+from offload.pure.plan.render import render_plan
+from offload.pure.stats import OffloadStats, render_stats
 from offload.pure.units import format_bytes
 
 __all__ = ["DEMO_LIMITS", "DemoBlock", "DemoResult", "build_demo_model", "demo_memory_bytes", "run_demo"]
@@ -329,3 +332,32 @@ def summarize(result: DemoResult) -> Mapping[str, str]:
         lines["device memory"] = (f"{result.device_bytes_freed_measured} bytes freed (net of buffers), "
                                   f"plan says {expected} ({ratio:.4f})")
     return lines
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from offload.pure.check import render_check
+
+    env = capture()
+    try:
+        result = run_demo(
+            env=env, device=args.device, layers=args.layers, hidden=args.hidden, tokens=args.tokens,
+            backend=args.backend, progress=lambda line: print(f"... {line}", flush=True),
+        )
+    except ConfigError as exc:
+        if exc.name not in ("layers", "hidden", "tokens"):
+            raise
+        raise UserError(f"offload demo: --{exc.name}: {exc.message}") from None
+    print()
+    print(render_plan(result.plan))
+    print()
+    for label, text in summarize(result).items():
+        print(f"{label + ':':<15}{text}")
+    print()
+    print("offloader stats (offloaded steps):")
+    print(render_stats(result.stats))
+    print()
+    print(render_check(result.check))
+    if result.mechanics_only:
+        print("no GPU here: the offloading mechanics ran for real on the CPU and were verified; "
+              "nothing is faster or smaller on a CPU")
+    return 0 if result.outputs_equal and result.restored_equal else 1

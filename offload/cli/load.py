@@ -1,0 +1,196 @@
+"""``offload load``: a local Hugging Face checkpoint loaded offloaded, one forward, restored
+and checked bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, TextIO
+
+import attrs
+
+from offload.cli._shared import UserError, capture
+from offload.cli.parser import (
+    LOAD_PREFETCH,
+    gib_bytes,
+)
+from offload.errors import ExecutionError, OffloadError
+from offload.pure.config import OffloadConfig
+from offload.pure.fit.profiles import (
+    profile_by_name,
+)
+from offload.pure.plan.plan import OffloadPlan
+from offload.pure.spec.safetensors import printable
+from offload.pure.stats import OffloadStats
+from offload.pure.units import format_bytes
+
+
+def _load_request(args: argparse.Namespace, has_cuda: bool) -> tuple[OffloadConfig | None, int | None, str]:
+    """What `offload load` asks `offload_pretrained` for: a config, or a device budget to
+    fit (None with CUDA: the device's memory), and one line saying which."""
+    chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
+                                       ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
+                                       ("--uva-gib", args.uva_gib)) if value is not None]
+    fitting_flags = [flag for flag, value in (("--reserve-gib", args.reserve_gib), ("--profile", args.profile))
+                     if value is not None]
+    if args.fit_gib is not None:
+        if args.filter:
+            raise UserError("offload load: --filter applies to a given configuration, not to --fit-gib")
+        if chosen:
+            raise UserError(f"offload load: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
+        if args.fit_gib == 0:
+            raise UserError("offload load: --fit-gib must be greater than 0")
+        return None, gib_bytes(args.fit_gib), f"fit to {format_bytes(gib_bytes(args.fit_gib))} of device memory"
+    if chosen or not has_cuda:
+        if fitting_flags:
+            verb = "applies" if len(fitting_flags) == 1 else "apply"
+            raise UserError(f"offload load: {' and '.join(fitting_flags)} {verb} only when fitting; give --fit-gib"
+                             + (f" instead of {', '.join(chosen)}" if chosen else ""))
+        config = (OffloadConfig(backend=args.backend or "auto", group_size=args.group_size or 0,
+                                num_in_group=args.num_in_group or 1, prefetch_step=args.prefetch_step or 1,
+                                uva_max_bytes=0 if args.uva_gib is None else gib_bytes(args.uva_gib),
+                                param_filter=tuple(args.filter))
+                  if chosen else attrs.evolve(LOAD_PREFETCH, param_filter=tuple(args.filter)))
+        return config, None, "as given" if chosen else (
+            "default without CUDA (prefetch, group size 2, 1 offloaded layer per group, depth 2)")
+    if args.filter:
+        raise UserError("offload load: --filter applies to a given configuration (--group-size ... or --uva-gib); "
+                         "with CUDA and no configuration flag, the default fits the device")
+    return None, None, "fit to the device's memory (default with CUDA)"
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    import time
+
+    env = capture()
+    config, budget, how = _load_request(args, env.platform.has_cuda)
+    try:
+        import torch
+        import transformers.modeling_utils  # noqa: F401  (imported before the clock starts: 2 s, not loading)
+
+        from offload.hf import offload_pretrained
+    except ImportError as exc:  # transformers is the optional `hf` extra
+        raise UserError(f"offload load needs transformers: pip install 'offload[hf]' ({exc})") from None
+    start = time.monotonic()
+    with _ProgressScope(sys.stderr):
+        try:
+            model, offloader = offload_pretrained(
+                args.directory, config, device_budget_bytes=budget, env=env,
+                dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                reserve_bytes=gib_bytes(args.reserve_gib or 0.0),
+                profile=profile_by_name(args.profile) if args.profile else None)
+        except OffloadError:
+            raise
+        except (OSError, ValueError, RuntimeError) as exc:  # transformers refusing the directory's contents
+            if args.verbose >= 2:
+                raise
+            lines = str(exc).strip().splitlines()
+            raise UserError(f"offload load: {printable(args.directory)}: loading failed: {type(exc).__name__}: "
+                             f"{lines[0] if lines else ''} (-vv for the traceback)") from None
+    seconds = time.monotonic() - start
+    plan = offloader.plan
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"model:    {type(model).__name__} from {printable(args.directory)}: {format_bytes(nbytes)}, loaded and offloaded "
+          f"in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
+    print(f"config:   {how}")
+    print(f"plan:     {_plan_summary(plan, _outside_bytes(model))}")
+    if not env.platform.has_cuda:
+        print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
+    start = time.monotonic()
+    try:
+        ids = torch.randint(0, int(getattr(model.config, "vocab_size", 2)), (1, args.tokens),
+                            device=torch.device(plan.compute_device))
+        with torch.inference_mode():
+            output = model(input_ids=ids)[0]
+    except (OffloadError, RuntimeError, MemoryError) as exc:  # out of memory, a kernel refusing the input
+        offloader.restore()  # give the weights back before saying why
+        if isinstance(exc, OffloadError):
+            raise
+        lines = str(exc).strip().splitlines()
+        raise ExecutionError(f"the forward of {args.tokens} tokens failed: {type(exc).__name__}: "
+                             f"{lines[0] if lines else ''}", name="tokens", value=args.tokens) from exc
+    print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
+          f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
+    print(f"stats:    {_stats_summary(offloader.stats())}")
+    return _restore_and_check(model, offloader)
+
+
+class _ProgressScope:
+    """While entered, the ``offload.load`` logger's INFO records go to a `ProgressLine`
+    on `stream` (and nowhere else); on exit the line is finished and the logger restored."""
+
+    def __init__(self, stream: TextIO) -> None:
+        from offload.cli.progress import ProgressLine
+
+        self._handler = ProgressLine(stream)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._log = logging.getLogger("offload.load")
+        self._saved = (self._log.level, self._log.propagate)
+
+    def __enter__(self) -> None:
+        self._log.addHandler(self._handler)
+        self._log.setLevel(logging.INFO)
+        self._log.propagate = False  # shown once, by the progress line
+
+    def __exit__(self, *exc: object) -> None:
+        self._handler.end()
+        self._log.removeHandler(self._handler)
+        self._log.setLevel(self._saved[0])
+        self._log.propagate = self._saved[1]
+
+
+def _outside_bytes(model: Any) -> int:
+    """Bytes of the tensors outside the layer stack (resident on the device), each storage once."""
+    from offload.describe import storage_key
+    from offload.hf.layers import find_layers
+    from offload.hf.model import outside_tensors
+
+    seen: dict[object, int] = {}
+    for _, tensor in outside_tensors(model, list(find_layers(model, None))):
+        seen.setdefault(storage_key(tensor) or id(tensor), tensor.numel() * tensor.element_size())
+    return sum(seen.values())
+
+
+def _plan_summary(plan: OffloadPlan, outside_bytes: int) -> str:
+    """One line: backend, layers offloaded, device and host bytes."""
+    layers = len({p.layer for p in plan.params if p.offloaded})
+    return (f"{plan.backend.value}, {layers} of {plan.num_layers} layers offloaded; device "
+            f"{format_bytes(plan.device_bytes_resident)} resident + {format_bytes(plan.device_bytes_buffers)} "
+            f"buffers + {format_bytes(outside_bytes)} outside the layers; host {format_bytes(plan.host_bytes)}")
+
+
+def _stats_summary(stats: OffloadStats) -> str:
+    waited = "n/a" if stats.wait_seconds is None else f"{stats.wait_seconds:.3f} s"
+    return (f"{stats.params_offloaded} parameters offloaded, host {format_bytes(stats.host_bytes)}, device buffers "
+            f"{format_bytes(stats.device_buffer_bytes)}, {stats.copies_issued} copies of "
+            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks")
+
+
+def _restore_and_check(model: Any, offloader: Any) -> int:
+    """Restore, and compare the weights of the first and last offloaded layers with their
+    true values from the offloaded model's ``state_dict()`` (its host copies), bit for
+    bit; every parameter must be off the meta device. Returns the exit status."""
+    import torch
+
+    from offload.hf.layers import find_layers
+
+    layers = list(find_layers(model, None))
+    hit = sorted({p.layer for p in offloader.plan.params if p.offloaded})
+    chosen = list(dict.fromkeys(hit[:1] + hit[-1:]))
+
+    def sample() -> dict[str, torch.Tensor]:
+        return {f"layer {i} {name}": tensor.detach() for i in chosen for name, tensor in layers[i].state_dict().items()}
+
+    before = {key: tensor.clone() for key, tensor in sample().items()}
+    offloader.restore()
+    after = sample()
+    wrong = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    wrong += [key for key, want in before.items() if key not in after or not torch.equal(after[key].cpu(), want.cpu())]
+    if wrong:
+        print(f"restore:  FAILED: {', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''} not given back")
+        return 1
+    shown = " and ".join(f"{i}" for i in chosen) or "none"
+    print(f"restore:  done; {len(before)} tensors of layers {shown} equal bit for bit to the offloaded model's "
+          "state_dict (its host copies)")
+    return 0

@@ -1,0 +1,216 @@
+"""``offload plan``: exactly what would be offloaded, where, and what it costs; with
+``--fit-gib``, the fastest configuration that fits a device budget."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import attrs
+
+from offload.cli._shared import UserError, capture, count_of
+from offload.cli.parser import (
+    DEFAULT_PREFETCH,
+    DEFAULT_SOURCE,
+    gib_bytes,
+)
+from offload.errors import ConfigError
+from offload.pure.config import OffloadConfig
+from offload.pure.env.snapshot import EnvSnapshot, Platform
+from offload.pure.fit.estimate import Workload, estimate
+from offload.pure.fit.profiles import (
+    DeviceProfile,
+    planning_env,
+    profile_by_name,
+    profile_for_device,
+    profile_from_numbers,
+)
+from offload.pure.fit.render import render_estimate, render_fit
+from offload.pure.fit.search import fit
+from offload.pure.plan.make import make_plan
+from offload.pure.plan.render import render_plan
+from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
+from offload.pure.spec.safetensors import printable
+from offload.pure.spec.values import ModelSpec
+from offload.pure.units import format_bytes
+
+
+def _take_source(args: argparse.Namespace) -> None:
+    """Set ``args.source``: SOURCE as given, else the last word after ``--filter`` when at
+    least one segment precedes it and it is a preset or an existing path (``--filter SEG ...``
+    takes every following word), else the default."""
+    if args.source is not None:
+        return
+    words: list[str] = args.filter
+    if len(words) >= 2 and (words[-1] in PRESETS or os.path.exists(words[-1])):
+        args.source = words.pop()
+    else:
+        args.source = DEFAULT_SOURCE
+
+
+def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
+    """The config the flags ask for, and whether it is the default."""
+    chosen = {
+        "backend": args.backend,
+        "group_size": args.group_size,
+        "num_in_group": args.num_in_group,
+        "prefetch_step": args.prefetch_step,
+        "uva_max_bytes": None if args.uva_gib is None else gib_bytes(args.uva_gib),
+    }
+    given = {k: v for k, v in chosen.items() if v is not None}
+    if not given:
+        return attrs.evolve(DEFAULT_PREFETCH, param_filter=tuple(args.filter)), True
+    return OffloadConfig(**given, param_filter=tuple(args.filter)), False
+
+
+@attrs.frozen(kw_only=True)
+class _Source:
+    """What SOURCE gives: the layers, where they came from, and what lies outside them."""
+
+    spec: ModelSpec
+    origin: str  # one line: "preset llama-8b (...)" or "checkpoint DIR"
+    outside_bytes: int  # weights outside the layers, resident on the device
+    details: tuple[str, ...]  # lines to print under the model line: stacks, outside
+
+
+def _source(name: str, *, counted: str) -> _Source:
+    """The spec for SOURCE, a description of it, and its outside bytes; `counted` ends the
+    line about those bytes (whether the output below counts them)."""
+    if os.path.exists(name):
+        from offload.checkpoint import read_checkpoint
+
+        result = read_checkpoint(name)
+        details = [
+            f"stack:    {printable(stack.name)}: {count_of(stack.num_layers, 'layer')} (plan layers "
+            f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"
+            for stack in result.stacks
+        ]
+        if result.outside_layers:
+            details.append(f"outside:  {count_of(len(result.outside_layers), 'tensor')} outside the layers, "
+                           f"{format_bytes(result.outside_bytes)}, resident on the device; {counted}")
+        return _Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
+                       details=tuple(details))
+    if name in PRESETS:
+        outside = preset_outside_bytes(name)
+        return _Source(spec=preset_spec(name), origin=f"preset {name} (decoder layers, bf16, shapes only)",
+                       outside_bytes=outside,
+                       details=(f"outside:  embeddings, output head and final norm, {format_bytes(outside)}, "
+                                f"resident on the device; {counted}",))
+    raise UserError(
+        f"offload plan: {name!r} is neither an existing path nor a preset ({', '.join(sorted(PRESETS))})"
+    )
+
+
+def _print_model(source: _Source) -> None:
+    spec = source.spec
+    print(f"model:    {source.origin}: {len(spec.layers)} layers, {spec.num_params} parameters, "
+          f"{format_bytes(spec.nbytes)}")
+    for line in source.details:
+        print(line)
+
+
+def _planning_env(args: argparse.Namespace) -> EnvSnapshot:
+    snapshot = capture()
+    if args.device_gib is None:
+        return snapshot
+    if args.device_gib == 0:
+        raise UserError("offload plan: --device-gib must be greater than 0")
+    platform = Platform(
+        has_cuda=True,
+        device_name="planned CUDA device",
+        device_total_bytes=gib_bytes(args.device_gib),
+        can_map_host_memory=True,
+        can_register_host_memory=True,
+        host_pointer_for_registered_memory=True,
+        torch_version=snapshot.platform.torch_version,
+        probe_notes=("a hypothetical device (--device-gib): host memory is not checked",),
+    )
+    return attrs.evolve(snapshot, platform=platform)
+
+
+def _profile(args: argparse.Namespace) -> DeviceProfile | None:
+    """The profile the flags name or build, or None when they give none."""
+    profile = profile_by_name(args.profile) if args.profile else None
+    if args.link_gbps is not None or args.tflops is not None:
+        if profile is None and (args.link_gbps is None or args.tflops is None):
+            raise UserError("offload plan: without --profile, give both --link-gbps and --tflops")
+        try:
+            profile = profile_from_numbers(link_gbps=args.link_gbps, tflops=args.tflops, base=profile)
+        except ConfigError as exc:
+            flag = {"link_gbps": "--link-gbps", "tflops": "--tflops"}.get(exc.name or "")
+            if flag is None:
+                raise
+            raise UserError(f"offload plan: {flag}: {exc.message}") from None
+    return profile
+
+
+def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
+    if profile is None:
+        raise UserError("offload plan: --fit-gib needs --profile NAME, or --link-gbps and --tflops")
+    chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
+                                       ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
+                                       ("--uva-gib", args.uva_gib)) if value is not None]
+    if chosen:
+        raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
+    source = _source(args.source, counted="counted in the fit")
+    spec = source.spec
+    if args.fit_gib == 0:
+        raise UserError("offload plan: --fit-gib must be greater than 0")
+    budget = gib_bytes(args.fit_gib)
+    env = _planning_env(args)
+    if not env.platform.has_cuda:
+        # Planning for the profile's device from a machine without one: the budget is the
+        # device memory the model may use there.
+        env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
+    result = fit(
+        spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
+        outside_bytes=source.outside_bytes, reserve_bytes=gib_bytes(args.reserve_gib),
+        param_filter=tuple(args.filter),
+    )
+    if args.json:
+        print(result.to_json(indent=2))
+        return 0
+    _print_model(source)
+    print(f"profile:  {profile.name} ({profile.device_name})")
+    print(render_fit(result))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    _take_source(args)
+    profile = _profile(args)
+    if args.fit_gib is not None:
+        return cmd_fit(args, profile)
+    config, is_default = _config(args)
+    source = _source(args.source, counted="not in the plan's totals, which cover the layers")
+    spec = source.spec
+    env = _planning_env(args)
+    matched = ""
+    if profile is None and env.platform.has_cuda:
+        profile = profile_for_device(env.platform.device_name)
+        matched = " (matched this device)" if profile is not None else ""
+    if profile is not None:
+        env = planning_env(env, profile)
+    plan = make_plan(spec, config, env)
+    if args.json:
+        print(plan.to_json(indent=2))
+        return 0
+    platform = env.platform
+    device = (
+        f"{platform.device_name}, {format_bytes(platform.device_total_bytes)}"
+        if platform.has_cuda
+        else "no accelerator (the compute device is the CPU)"
+    )
+    _print_model(source)
+    print(f"device:   {device}")
+    if is_default:
+        print(
+            "config:   default (prefetch, group size 4, 1 offloaded layer per group, depth 2); "
+            "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
+        )
+    print(render_plan(plan, per_param=args.params))
+    if profile is not None:
+        print()
+        print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")
+        print(render_estimate(estimate(plan, profile, Workload(tokens_per_step=args.tokens))))
+    return 0
