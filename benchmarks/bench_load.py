@@ -89,7 +89,7 @@ def build_checkpoint(directory: Path, *, size_bytes: int, hidden: int, dtype: to
 
 def checkpoint_bytes(directory: Path) -> int:
     """The bytes of the checkpoint's tensors (headers read, no data)."""
-    from offload.checkpoint import read_checkpoint
+    from offload.model.checkpoint import read_checkpoint
 
     found = read_checkpoint(directory)
     return found.spec.nbytes + found.outside_bytes
@@ -99,7 +99,7 @@ def checkpoint_bytes(directory: Path) -> int:
 
 
 def _layers_bytes(directory: Path) -> int:
-    from offload.checkpoint import read_checkpoint
+    from offload.model.checkpoint import read_checkpoint
 
     return read_checkpoint(directory).spec.nbytes
 

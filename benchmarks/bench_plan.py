@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from offload.describe import describe_layers
+from offload.model.describe import describe_layers
 from offload.pure import EnvSnapshot, ModelSpec, OffloadConfig, Platform, make_plan
 
 DESCRIBE_TARGET_S = 0.1

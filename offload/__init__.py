@@ -54,15 +54,15 @@ from offload.pure.stats import OffloadStats, render_stats
 
 if TYPE_CHECKING:
     from offload.capture import capture_env
-    from offload.checkpoint import spec_from_checkpoint
     from offload.create import create_offloader
-    from offload.describe import describe_layers
+    from offload.model.checkpoint import spec_from_checkpoint
+    from offload.model.describe import describe_layers
 
 # Shell names that import torch, loaded on first attribute access (PEP 562).
 _LAZY = {
     "capture_env": "offload.capture",
-    "describe_layers": "offload.describe",
-    "spec_from_checkpoint": "offload.checkpoint",
+    "describe_layers": "offload.model.describe",
+    "spec_from_checkpoint": "offload.model.checkpoint",
     "create_offloader": "offload.create",
 }
 

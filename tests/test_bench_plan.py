@@ -5,7 +5,7 @@ timing assertions."""
 from __future__ import annotations
 
 from benchmarks.bench_plan import PARAMS_PER_LAYER, big_layers, nested_layers
-from offload.describe import describe_layers
+from offload.model.describe import describe_layers
 
 
 def test_the_nested_layers_hold_the_flat_layers_parameters_one_per_submodule() -> None:

@@ -22,8 +22,8 @@ from torch import nn
 
 from offload.cli._shared import UserError, capture
 from offload.create import create_offloader
-from offload.describe import describe_layers
 from offload.errors import ConfigError, ExecutionError, OffloadError
+from offload.model.describe import describe_layers
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot, Platform

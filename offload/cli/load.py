@@ -142,9 +142,9 @@ class _ProgressScope:
 
 def _outside_bytes(model: Any) -> int:
     """Bytes of the tensors outside the layer stack (resident on the device), each storage once."""
-    from offload.describe import storage_key
     from offload.hf.layers import find_layers
     from offload.hf.model import outside_tensors
+    from offload.model.describe import storage_key
 
     seen: dict[object, int] = {}
     for _, tensor in outside_tensors(model, list(find_layers(model, None))):

@@ -77,7 +77,7 @@ def _source(name: str, *, counted: str) -> _Source:
     """The spec for SOURCE, a description of it, and its outside bytes; `counted` ends the
     line about those bytes (whether the output below counts them)."""
     if os.path.exists(name):
-        from offload.checkpoint import read_checkpoint
+        from offload.model.checkpoint import read_checkpoint
 
         result = read_checkpoint(name)
         details = [

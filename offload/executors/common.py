@@ -13,9 +13,9 @@ import attrs
 import torch
 from torch import nn
 
-from offload.describe import describe_tensor
 from offload.errors import ExecutionError, OffloadError, PlanError
 from offload.executors.hoststore import HostStore
+from offload.model.describe import describe_tensor
 from offload.pure.plan.plan import ParamPlan
 from offload.pure.spec.values import ParamSpec
 

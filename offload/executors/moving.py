@@ -23,7 +23,6 @@ import attrs
 import torch
 from torch import nn
 
-from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import (
     Ref,
@@ -34,6 +33,7 @@ from offload.executors.common import (
     torch_dtype,
 )
 from offload.executors.hoststore import HostStore
+from offload.model.describe import storage_key
 from offload.protocols import Runtime
 from offload.pure.decide.admission import HostFit
 from offload.pure.decide.moves import Move, WhereKind, restore_target, where_kind

@@ -28,7 +28,6 @@ from typing import Any, NoReturn, final
 import torch
 from torch import nn
 
-from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.bound import Bound, Check, compile_check, first_changed
@@ -77,6 +76,7 @@ from offload.executors.reload import (
     write_weights,
 )
 from offload.executors.telemetry import StepLog
+from offload.model.describe import storage_key
 from offload.protocols import Event, PreparedCopies, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.plan.blocks import Span, merge_spans, slot_arenas

@@ -31,7 +31,6 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from offload.describe import storage_key
 from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
@@ -90,6 +89,7 @@ from offload.executors.reload import (
     write_weights,
 )
 from offload.executors.telemetry import StepLog
+from offload.model.describe import storage_key
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.decide.moves import Move

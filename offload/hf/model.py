@@ -16,10 +16,10 @@ from typing import Any, final
 import torch
 from torch import nn
 
-from offload.describe import describe_layers, storage_key
 from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.hf.layers import find_layers
+from offload.model.describe import describe_layers, storage_key
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig

@@ -57,7 +57,7 @@ def load_on_host(path: str | os.PathLike[str], *, dtype: torch.dtype | None = No
     Raises:
         CheckpointError: the directory or its weights are missing or inconsistent.
     """
-    from offload.checkpoint import read_checkpoint
+    from offload.model.checkpoint import read_checkpoint
 
     root = Path(path)
     if not root.is_dir():

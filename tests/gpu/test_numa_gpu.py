@@ -12,7 +12,7 @@ import torch
 from offload import capture_env, make_plan
 from offload.capture.numa import PCI_NUMA_NODE, torch_gpu_bus_id
 from offload.create import default_runtime
-from offload.describe import describe_layers
+from offload.model.describe import describe_layers
 from offload.pure import OffloadConfig, PinMethod
 from offload.pure.env.numa import parse_numa_maps, parse_numa_node
 from offload.runtime.cuda import CudaRuntime

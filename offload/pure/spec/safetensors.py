@@ -6,7 +6,7 @@ then the tensor data. The JSON maps each tensor name to ``{"dtype": "BF16", "sha
 hold a ``"__metadata__"`` object of strings. A sharded checkpoint also has an index
 (``model.safetensors.index.json``) whose ``"weight_map"`` maps each tensor name to the
 file holding it. This module only interprets bytes the shell has read
-(`offload.checkpoint`); it never opens a file.
+(`offload.model.checkpoint`); it never opens a file.
 
 Layers are found by structure, not by a table of names. A tensor's first dotted segment
 that is a decimal integer, with a prefix before it and a name after it, places it:

@@ -1,7 +1,7 @@
 """What a model's layers hold: parameter names, shapes, strides, dtypes and bytes.
 
 A `ModelSpec` is built by the shell from live modules (`offload.describe_layers`) or from
-checkpoint headers (`offload.checkpoint`), or by hand; it never holds a tensor.
+checkpoint headers (`offload.model.checkpoint`), or by hand; it never holds a tensor.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ INDEX_SUFFIX = ".safetensors.index.json"
 _SUFFIX = SHARD_SUFFIX
 _LENGTH = struct.Struct("<Q")
 
-logger = logging.getLogger("offload.checkpoint")
+logger = logging.getLogger("offload.model.checkpoint")
 
 #: (the shards to read, the index path and its weight map when there is one)
 _Layout = tuple[tuple[Path, ...], Path | None, Mapping[str, str] | None]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offload.describe import describe_layers, storage_key
 from offload.errors import PlanError
+from offload.model.describe import describe_layers, storage_key
 from offload.pure.spec.values import LayerSpec, ModelSpec, ParamSpec
 
 

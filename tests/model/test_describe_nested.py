@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from offload.describe import _named_parameters, describe_layers, storage_key
+from offload.model.describe import _named_parameters, describe_layers, storage_key
 from offload.pure import LayerSpec, ModelSpec, ParamSpec
 
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from offload.describe import _named_parameters, describe_layers, describe_tensor, storage_key
 from offload.errors import PlanError
+from offload.model.describe import _named_parameters, describe_layers, describe_tensor, storage_key
 from offload.pure import (
     EnvSnapshot,
     LayerSpec,
