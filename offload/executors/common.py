@@ -3,7 +3,6 @@ resolving dtypes. No policy lives here; the plan has made every decision."""
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -15,12 +14,12 @@ from torch import nn
 
 from offload.errors import ExecutionError, OffloadError, PlanError
 from offload.executors.hoststore import HostStore
+from offload.executors.lifecycle import unfinished_restore
 from offload.model.describe import describe_tensor
 from offload.pure.plan.plan import ParamPlan
 from offload.pure.spec.values import ParamSpec
 
 __all__ = [
-    "Lifecycle",
     "Patched",
     "Ref",
     "current_spec",
@@ -36,31 +35,9 @@ __all__ = [
     "raise_with_progress",
     "refuse_autograd",
     "torch_dtype",
-    "unfinished_restore",
     "unguard_layers",
     "unpatch_forward",
 ]
-
-class Lifecycle(enum.Enum):
-    """Where an executor is: made, wrapped (weights in host memory), ready (post_init
-    done), restoring (a restore began and did not finish: the model cannot run until
-    `restore` is called again and finishes), or restored (done for good)."""
-
-    NEW = "new"
-    WRAPPED = "wrapped"
-    READY = "ready"
-    RESTORING = "restoring"
-    RESTORED = "restored"
-
-
-def unfinished_restore(what: str) -> ExecutionError:
-    """The error a forward (or another call that needs the offloaded model) raises while
-    a restore that stopped part way has not been finished (`Lifecycle.RESTORING`)."""
-    return ExecutionError(
-        f"{what}: restore() stopped part way and did not finish (some weights are back, the rest are still "
-        "offloaded, and no buffer is held); call restore() again to finish, then run the restored model",
-        name="state", value=Lifecycle.RESTORING.value)
-
 
 #: (layer index, parameter name relative to the layer).
 Ref = tuple[int, str]

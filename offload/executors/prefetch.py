@@ -32,7 +32,6 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.bound import Bound, Check, compile_check, first_changed
 from offload.executors.common import (
-    Lifecycle,
     Patched,
     Ref,
     current_spec,
@@ -47,12 +46,12 @@ from offload.executors.common import (
     raise_with_progress,
     refuse_autograd,
     torch_dtype,
-    unfinished_restore,
     unguard_layers,
     unpatch_forward,
 )
 from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.hoststore import HostSource, HostStore
+from offload.executors.lifecycle import LEAVES, Lifecycle, refuse, require
 from offload.executors.live import inspect_params
 from offload.executors.moving import (
     Restorer,
@@ -195,9 +194,7 @@ class PrefetchOffloader:
             ExecutionError: called twice, or a host copy failed (the cause is attached).
             PlanError: the layers do not match the plan.
         """
-        if self._state is not Lifecycle.NEW:
-            raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "wrap_modules")
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
@@ -220,7 +217,7 @@ class PrefetchOffloader:
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in self._plan.offloaded_layers]
         mark(layers, self)
-        self._state = Lifecycle.WRAPPED
+        self._state = LEAVES["wrap_modules"]
         log.info("offloaded %d parameters of %d layers to host memory (%s; moves: %s)", len(self._origin),
                  len(self._plan.offloaded_layers), "pinned" if self._plan.pin.pin else "pageable",
                  describe_moves(found))
@@ -240,9 +237,7 @@ class PrefetchOffloader:
             ExecutionError: not called exactly once after `wrap_modules`, or an allocation
                 or copy failed.
         """
-        if self._state is not Lifecycle.WRAPPED:
-            raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "post_init")
         try:
             revised = revise_plan(self._plan, self._resync())
         except BaseException as exc:
@@ -263,7 +258,7 @@ class PrefetchOffloader:
         self._patch_conversions()
         self._load_hooks = route_state_dict_loads((h for h, _ in self._held.values()), self._route_begin,
                                                   self._route_end)
-        self._state = Lifecycle.READY
+        self._state = LEAVES["post_init"]
 
     def _drop_buffers(self) -> None:
         """Point every offloaded parameter at its host copy and let go of the static
@@ -614,12 +609,8 @@ class PrefetchOffloader:
 
     def _position(self, layer: int) -> int | None:
         if self._state is not Lifecycle.READY:
-            if self._state is Lifecycle.RESTORING:
-                raise unfinished_restore(f"offloaded layer {layer} cannot run")
-            raise ExecutionError(
-                f"an offloaded layer ran before post_init() (state {self._state.value})",
-                name="state", value=self._state.value,
-            )
+            refuse(self._state, "forward", "an offloaded layer ran before post_init()",
+                   subject=f"offloaded layer {layer}")
         return self._position_of.get(layer)
 
     def wait_layer(self, layer: int) -> None:
@@ -868,9 +859,7 @@ class PrefetchOffloader:
         Raises:
             ExecutionError: called before `post_init`.
         """
-        if self._state is not Lifecycle.READY:
-            raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "sync_prev_onload")
         # A capture or replay begins a step with the slots of its first positions filled
         # (a replay refills them before it ends). Refill them unless a whole step ended
         # here: a forward that stopped part way or realigned, or load_state_dict, left
@@ -914,9 +903,7 @@ class PrefetchOffloader:
             ExecutionError: nothing to restore (never wrapped, or already restored), or a
                 device copy failed (saying how far the restore got).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY, Lifecycle.RESTORING):
-            raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "restore")
         try:
             self._rt.synchronize()
         except BaseException as exc:
@@ -951,7 +938,7 @@ class PrefetchOffloader:
             raise_with_progress(exc, "restore gave every weight back, but waiting for the device failed (call "
                                      "restore() again to finish)", "restore")
         unmark(self._layers)
-        self._state = Lifecycle.RESTORED
+        self._state = LEAVES["restore"]
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)
 
@@ -981,9 +968,7 @@ class PrefetchOffloader:
         Raises:
             ExecutionError: the model is not wrapped.
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
-            raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "check")
         slots = [t for buffers in self._buffers.values() for t in buffers.values()]
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
                               slots=slots, hosts=self._host.tensors())

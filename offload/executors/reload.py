@@ -39,8 +39,9 @@ import torch
 from torch import nn
 
 from offload.errors import ExecutionError
-from offload.executors.common import Lifecycle, find_parameter, host_owner, raise_as_execution_error, unfinished_restore
+from offload.executors.common import find_parameter, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
+from offload.executors.lifecycle import Lifecycle, require
 from offload.executors.moving import Progress
 from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
@@ -92,11 +93,7 @@ def begin_load(state: Lifecycle, runtime: Runtime) -> None:
         ExecutionError: the model is not wrapped or a restore is unfinished (`state`), a
             CUDA graph is being captured, or waiting for the device failed (nothing written).
     """
-    if state not in (Lifecycle.WRAPPED, Lifecycle.READY):
-        if state is Lifecycle.RESTORING:
-            raise unfinished_restore("load_weights cannot write")
-        raise ExecutionError(f"load_weights needs a wrapped model (state {state.value})", name="state",
-                             value=state.value)
+    require(state, "load_weights")
     if runtime.is_capturing():
         raise ExecutionError("load_weights cannot run inside a CUDA graph capture", name="capturing", value=True)
     try:

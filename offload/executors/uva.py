@@ -34,7 +34,6 @@ from torch import nn
 from offload.errors import ExecutionError, PlanError
 from offload.executors import ops
 from offload.executors.common import (
-    Lifecycle,
     Patched,
     Ref,
     current_spec,
@@ -49,11 +48,11 @@ from offload.executors.common import (
     raise_as_execution_error,
     raise_with_progress,
     refuse_autograd,
-    unfinished_restore,
     unguard_layers,
     unpatch_forward,
 )
 from offload.executors.hoststore import HostSource, HostStore
+from offload.executors.lifecycle import LEAVES, Lifecycle, refuse, require
 from offload.executors.live import inspect_params
 from offload.executors.moving import (
     Restorer,
@@ -196,9 +195,7 @@ class UVAOffloader:
             ExecutionError: called twice, or a host copy or view failed (the cause attached).
             PlanError: the layers do not match the plan.
         """
-        if self._state is not Lifecycle.NEW:
-            raise ExecutionError(f"wrap_modules was already called (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "wrap_modules")
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
@@ -217,7 +214,7 @@ class UVAOffloader:
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in layers_offloaded]
         mark(layers, self)
-        self._state = Lifecycle.WRAPPED
+        self._state = LEAVES["wrap_modules"]
         log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand "
                  "(moves: %s)", len(self._origin), "pinned" if self._plan.pin.pin else "pageable", len(self._viewed),
                  len(self._data) - len(self._viewed), describe_moves(found))
@@ -308,9 +305,7 @@ class UVAOffloader:
         Raises:
             ExecutionError: not called exactly once after `wrap_modules`, or a copy failed.
         """
-        if self._state is not Lifecycle.WRAPPED:
-            raise ExecutionError(f"post_init needs wrap_modules first and runs once (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "post_init")
         try:
             self._rt.synchronize()  # UVA layers may have run: nothing may read a copy released below
             actual, deleted = self._resync()
@@ -346,7 +341,7 @@ class UVAOffloader:
         except BaseException as exc:
             raise_as_execution_error(exc, "post_init failed finding the on-demand parameters", "post_init")
         self._route_loads()
-        self._state = Lifecycle.READY
+        self._state = LEAVES["post_init"]
 
     def _route_loads(self) -> None:
         """Route ``load_state_dict`` of the offloaded parameters into their host copies
@@ -448,13 +443,8 @@ class UVAOffloader:
 
     def _copies_of(self, layer: int) -> LayerCopies | None:
         if self._state is not Lifecycle.READY:
-            if self._state is Lifecycle.RESTORING:
-                raise unfinished_restore(f"layer {layer} cannot run")
-            raise ExecutionError(
-                f"layer {layer} copies its weights on demand and ran before post_init() (state "
-                f"{self._state.value}); post-processing may have replaced them: call post_init() first",
-                name="state", value=self._state.value,
-            )
+            refuse(self._state, "forward", f"layer {layer} copies its weights on demand and ran before post_init() "
+                   "(post-processing may have replaced them: call post_init() first)", subject=f"layer {layer}")
         return self._on_demand.get(layer)
 
     def _check_unchanged(self, layer: int, sites: tuple[Site, ...]) -> None:
@@ -544,9 +534,7 @@ class UVAOffloader:
         Raises:
             ExecutionError: called before `post_init` (the same lifecycle as prefetch).
         """
-        if self._state is not Lifecycle.READY:
-            raise ExecutionError(f"sync_prev_onload needs post_init first (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "sync_prev_onload")
 
     def join_after_forward(self) -> None:
         """Nothing to join: no work is forked off the compute stream."""
@@ -562,9 +550,7 @@ class UVAOffloader:
             ExecutionError: nothing to restore (never wrapped, or already restored), or a
                 copy back failed (the model is then left offloaded, and restore can be retried).
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY, Lifecycle.RESTORING):
-            raise ExecutionError(f"restore needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "restore")
         try:
             self._rt.synchronize()  # kernels may still read the host copies released below
         except BaseException as exc:
@@ -609,7 +595,7 @@ class UVAOffloader:
             raise_with_progress(exc, "restore gave every weight back, but waiting for the device failed (call "
                                      "restore() again to finish)", "restore")
         unmark(self._layers)
-        self._state = Lifecycle.RESTORED
+        self._state = LEAVES["restore"]
         self._restorer = None
         log.info("restored %d parameters (%d storages)", restorer.params, restorer.storages)
 
@@ -637,9 +623,7 @@ class UVAOffloader:
         Raises:
             ExecutionError: the model is not wrapped.
         """
-        if self._state not in (Lifecycle.WRAPPED, Lifecycle.READY):
-            raise ExecutionError(f"check needs a wrapped model (state {self._state.value})",
-                                 name="state", value=self._state.value)
+        require(self._state, "check")
         views = [self._data[owner] for owner in self._viewed if owner in self._data]
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
                               views=views, hosts=self._host.tensors())
