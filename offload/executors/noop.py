@@ -11,7 +11,10 @@ from offload.errors import ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.executors.live import inspect_params
-from offload.executors.moving import Restorer, Undo, claim, find_moves, mark, move_resident, unmark
+from offload.executors.placement.find import find_moves
+from offload.executors.placement.marks import claim, mark, unmark
+from offload.executors.placement.move import Undo, move_resident
+from offload.executors.placement.restore import Restorer
 from offload.executors.reload import Weights, write_weights
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck

@@ -53,18 +53,16 @@ from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.lifecycle import LEAVES, Lifecycle, refuse, require
 from offload.executors.live import inspect_params
-from offload.executors.moving import (
+from offload.executors.placement.find import describe_moves
+from offload.executors.placement.marks import claim, mark, unmark
+from offload.executors.placement.move import move_all
+from offload.executors.placement.restore import (
     Restorer,
-    claim,
-    describe_moves,
     held_storages,
-    mark,
-    move_all,
     point_at_host_copies,
     resync_data,
     state_dict_hook,
     take_replacements,
-    unmark,
 )
 from offload.executors.reload import (
     Weights,

@@ -42,7 +42,7 @@ from offload.errors import ExecutionError
 from offload.executors.common import find_parameter, host_owner, raise_as_execution_error
 from offload.executors.hoststore import HostStore
 from offload.executors.lifecycle import Lifecycle, require
-from offload.executors.moving import Progress
+from offload.executors.placement.progress import Progress
 from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes

@@ -54,19 +54,6 @@ from offload.executors.common import (
 from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.lifecycle import LEAVES, Lifecycle, refuse, require
 from offload.executors.live import inspect_params
-from offload.executors.moving import (
-    Restorer,
-    claim,
-    describe_moves,
-    held_storages,
-    mark,
-    move_all,
-    point_at_host_copies,
-    resync_data,
-    state_dict_hook,
-    take_replacements,
-    unmark,
-)
 from offload.executors.ondemand import (
     LayerCall,
     LayerCopies,
@@ -78,6 +65,17 @@ from offload.executors.ondemand import (
     on_demand_layers,
     run_swapped,
     run_with,
+)
+from offload.executors.placement.find import describe_moves
+from offload.executors.placement.marks import claim, mark, unmark
+from offload.executors.placement.move import move_all
+from offload.executors.placement.restore import (
+    Restorer,
+    held_storages,
+    point_at_host_copies,
+    resync_data,
+    state_dict_hook,
+    take_replacements,
 )
 from offload.executors.reload import (
     Weights,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload import ExecutionError, OffloadConfig, OffloadPlan, PlanError, create_offloader, describe_layers
-from offload.executors.moving import OffloadMark
+from offload.executors.placement.marks import OffloadMark
 from tests.executors.fakes import FakeRuntime
 from tests.executors.helpers import (
     assert_restored,
