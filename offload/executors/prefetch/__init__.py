@@ -1,0 +1,74 @@
+"""The prefetch backend: weights in host memory, streamed into static device buffers a few
+layers ahead of the compute that reads them (`PrefetchOffloader`).
+
+The offloader is built in one line of parts, each using only what lies below it:
+
+- `state.py`: every field and what it means (`PrefetchState`).
+- `buffers.py`: the static buffers, slot arenas, and each copy cut once (post_init).
+- `queue.py`: the copy queue: issue, wait, realign, the CUDA graph calls (`CopyQueue`).
+- `forward.py`: the forwards installed on the layers, eager and compiled (`ForwardPath`).
+- `weights.py`: the per-layer check, conversions, new weights (`NewWeights`).
+- `offloader.py`: the lifecycle: wrap, post_init, restore, stats (`PrefetchOffloader`).
+
+The rules the parts keep are written once, here, as named notes; the code says
+``Note [...]`` where it relies on one (a test holds every reference to a note below).
+
+Note [ordering]
+    Position ``i`` (the i-th offloaded layer) runs as: wait for its copy's done event; run
+    the layer; record an event on the compute stream; issue the copy the schedule names
+    (``next_after[i]``) on the copy stream after that event. The schedule's proof
+    (`check_schedule`) guarantees that copy goes into a slot whose previous owner has run,
+    and the event guarantees the owner's kernels are finished before the copy overwrites
+    it. The eager forward calls the queue directly; under torch.compile the wait and the
+    start are custom ops that declare the slot tensors mutated, so the compiler keeps
+    that order (`offload.executors.ops`).
+
+Note [in flight]
+    Each position has at most one copy in flight for its next run, kept as an immutable
+    value (`InFlight`: its done event, and whether it was issued inside a CUDA graph
+    capture). Issuing puts it, waiting takes it: the copy stream's side and the compute
+    stream's side share nothing else. A position with no copy in flight when it runs has
+    lost its copy (a forward stopped part way, a failed copy) and realigns.
+
+Note [kept position]
+    A position that is the only owner of its slot is loaded by the step's first copies and
+    stays loaded: no copy is issued for it again (`PrefetchSchedule.issued_after` leaves it
+    out), and it keeps its one copy's event, which every step waits on again (free once
+    done), on whatever stream runs the layer then.
+
+Note [capture boundary]
+    `sync_prev_onload` before a capture or replay makes every earlier copy complete, so
+    inside the capture the waits for copies issued before it are skipped (their events
+    cannot be waited on from a capture). Copies issued inside it are waited on by event,
+    and `join_after_forward` joins those still outstanding before the capture ends; those
+    positions then count as landed: a capture executes nothing, so after it the slots hold
+    what they held before it, and each replay refills them before it ends. Capturing
+    needs pinned host copies (PyTorch refuses pageable host-to-device copies in a capture).
+
+Note [realign]
+    A position that runs when the schedule expected another (layers skipped, run out of
+    order or twice, a forward stopped part way) puts the schedule right so the weights
+    are correct whatever the order. At the first position a new step begins: everything
+    in flight is finished and the step's first copies are issued as post_init does. At any
+    other position the layer gets its own copy now, and so does every later one until the
+    next step begins; nothing is prefetched meanwhile. Each realignment is counted and
+    logged; inside a capture it is refused (the order must be the eager one).
+
+Note [conversions]
+    ``model.to(dtype)``, ``.half()``, ``.cuda()`` go through ``nn.Module._apply(fn)``. On a
+    prefetched parameter that would convert its slot, which holds whichever layer last ran
+    there. Each module holding an offloaded parameter gets an instance ``_apply`` that
+    hands ``fn`` the parameter's host copy instead; a conversion that changes nothing
+    leaves the slot in place.
+
+Note [new weights]
+    New weights go into the host copies, never into a slot: `load_weights` writes them
+    there, and ``load_state_dict`` is routed there (each holder's parameters point at
+    their host copies while torch writes them). Then the slots are refilled: the next
+    forward begins a new step, without counting a realignment. A write into a slot
+    itself (``param.copy_()``) is refused at the next forward (its version counter).
+"""
+
+from offload.executors.prefetch.offloader import PrefetchOffloader
+
+__all__ = ["PrefetchOffloader"]

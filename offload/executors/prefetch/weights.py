@@ -1,0 +1,171 @@
+"""What a prefetch offloader does when the weights change under it: the per-layer check of
+what post_init bound (`offload.executors.bound`), conversions made on the host copies
+(`model.to()`, Note [conversions]), and new weights written into the host copies
+(`load_weights`, ``load_state_dict`` routed, Note [new weights])."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.executors.bound import compile_check
+from offload.executors.common import normal_tensors, patch_forward
+from offload.executors.conversions import converting_apply, same_memory
+from offload.executors.lifecycle import Lifecycle
+from offload.executors.prefetch.forward import ForwardPath
+from offload.executors.reload import (
+    Weights,
+    begin_load,
+    log_loaded,
+    refuse_read_only,
+    write_weights,
+)
+from offload.pure.plan.plan import ParamPlan
+
+__all__ = ["NewWeights"]
+
+log = logging.getLogger("offload.executors.prefetch")
+
+
+class NewWeights(ForwardPath):
+    """The bound check, conversions, and new weights."""
+
+    def _bind(self, bound: Sequence[tuple[ParamPlan, nn.Parameter]]) -> None:
+        """Fix what `_wait_at` checks before each run of a position: where each of its
+        offloaded parameters is held, the Parameter, its data pointer and version counter;
+        what a conversion of each converts (`_converted`), and what `load_state_dict`
+        routing needs (`_route_begin`)."""
+        self._bound = [[] for _ in self._plan.offloaded_layers]
+        self._bound_names = [[] for _ in self._plan.offloaded_layers]
+        self._convert_from = {}
+        self._held = {}
+        self._entries_of = {}
+        for p, param in bound:
+            prefix, _, leaf = p.name.rpartition(".")
+            holder = self._layers[p.layer].get_submodule(prefix) if prefix else self._layers[p.layer]
+            position = self._position_of[p.layer]
+            owner = p.tied_to or (p.layer, p.name)
+            self._held.setdefault(id(holder), (holder, []))[1].append((leaf, param, owner, param.data))
+            self._entries_of.setdefault(id(param), []).append((position, len(self._bound[position])))
+            self._bound[position].append((holder._parameters, leaf, param, param.data_ptr(), param._version))
+            self._bound_names[position].append(p.name)
+            self._convert_from[id(param)] = (param, owner)
+        self._compile_checks()
+
+    def _compile_checks(self, positions: Sequence[int] | None = None) -> None:
+        """(Re)generate the checks of `positions` (None: all) from `_bound`."""
+        if positions is None:
+            self._checks = [compile_check(entries, versions=True) for entries in self._bound]
+            self._checks_traced = [compile_check(entries, versions=False) for entries in self._bound]
+            return
+        for position in positions:
+            self._checks[position] = compile_check(self._bound[position], versions=True)
+            self._checks_traced[position] = compile_check(self._bound[position], versions=False)
+
+    def _patch_conversions(self) -> None:
+        """Make conversions of the offloaded parameters convert their host copies, wherever
+        the call starts (the model, the stack, a layer or a part of it): each module holding
+        an offloaded parameter gets an instance ``_apply`` (Note [conversions]; and
+        `restore` would otherwise keep a slot that holds another layer's weights)."""
+        for holder, _ in self._held.values():
+            self._apply_patched.append((holder, patch_forward(holder, self._wrap_apply, method="_apply")))
+
+    def _wrap_apply(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        return converting_apply(original, self._converted)
+
+    def _converted(self, param: nn.Parameter, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn`` (a conversion of ``nn.Module._apply``) of `param`, applied to its host
+        copy when `param` is an offloaded parameter pointing at its slot and ``fn`` would
+        change it (see `_patch_conversions`); else to `param` itself."""
+        entry = self._convert_from.get(id(param))
+        out = fn(param)
+        if entry is None or entry[0] is not param or self._state is not Lifecycle.READY or same_memory(out, param):
+            return out
+        host = self._host_of(entry[1])
+        converted = fn(host)
+        # A conversion that leaves the host copy as it is (``.cpu()``) gives the
+        # parameter a tensor of its own: the host copy stays the offloader's.
+        return converted.clone() if same_memory(converted, host) else converted
+
+    @normal_tensors
+    def load_weights(self, weights: Weights, *, prefix: str = "", skip_read_only: bool = False) -> None:
+        """Give the model new weights without restoring it (`offload.executors.reload`,
+        Note [new weights]):
+        offloaded ones into their host copies, resident ones and buffers in place; then,
+        after `post_init`, a step's first copies are issued again from the new host
+        copies, so the next forward (eager, compiled or a CUDA graph replay after
+        `sync_prev_onload`) computes with the new weights.
+
+        ``model.load_state_dict`` is routed the same way (`_route_begin`). Writes made
+        around both (``param.copy_()`` into a parameter that points at a shared slot) are
+        refused at the next forward; a call of this clears that refusal (the host copies
+        hold what the model computes with again).
+
+        Args:
+            weights: a mapping of names to tensors, or (name, tensor) pairs; names as
+                ``nn.ModuleList(layers).state_dict()`` gives them (``"3.mlp.up.weight"``).
+            prefix: what every name starts with (e.g. ``"model.layers."``), stripped.
+            skip_read_only: leave out offloaded weights whose host copy this process
+                maps read-only (a follower of a sharing group: its leader writes them;
+                `SharedOffloader.load_weights` passes it); without it they are refused.
+
+        Raises:
+            ExecutionError: the model is not wrapped (or a restore is unfinished), a CUDA
+                graph is being captured, or a name, shape or copy is wrong (see
+                `write_weights`; a mapping is checked whole before anything is written).
+        """
+        begin_load(self._state, self._rt)
+        try:
+            loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
+                                   skip_read_only=skip_read_only)
+        except BaseException:
+            self._reloaded()  # what was written is what the model computes with
+            raise
+        self._reloaded()
+        log_loaded(loaded)
+
+    def _route_begin(self, holder: nn.Module) -> None:
+        """``load_state_dict`` reaches `holder`: point its offloaded parameters at their
+        host copies, so that torch writes the new values there (see `route_state_dict_loads`;
+        Note [new weights])."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return  # before post_init the parameters point at their host copies already
+        live = [(param, owner) for leaf, param, owner, *_ in entry[1] if holder._parameters.get(leaf) is param]
+        refuse_read_only(self._host, (owner for _, owner in live), "load_state_dict")
+        self._rt.synchronize()  # copies in flight read the host copies about to be written
+        for param, owner in live:
+            param.data = self._host_of(owner)
+
+    def _route_end(self, holder: nn.Module) -> None:
+        """`holder`'s part of ``load_state_dict`` is done: its parameters point at their
+        slots again, their writes are accepted, and the slots are refilled before the
+        next forward or replay (`_reload_due`)."""
+        entry = self._held.get(id(holder))
+        if entry is None or self._state is not Lifecycle.READY:
+            return
+        changed: set[int] = set()
+        for leaf, param, owner, slot in entry[1]:
+            if holder._parameters.get(leaf) is param and same_memory(param.data, self._host_of(owner)):
+                param.data = slot
+                for position, index in self._entries_of[id(param)]:  # every name it has (a tie)
+                    params, name, _, pointer, _ = self._bound[position][index]
+                    self._bound[position][index] = (params, name, param, pointer, param._version)
+                    changed.add(position)
+        self._compile_checks(sorted(changed))
+        self._reload_due = True
+        self._expected = -1  # no position: the next one realigns, which refills the slots
+
+    def _reloaded(self) -> None:
+        """After host copies were written: accept the parameters' version counters as
+        they are, and fill the slots afresh (after post_init)."""
+        if self._state is not Lifecycle.READY:
+            return
+        self._bound = [[(params, leaf, param, pointer, param._version) for params, leaf, param, pointer, _ in entries]
+                       for entries in self._bound]
+        self._compile_checks()
+        self._refill()
