@@ -5,7 +5,6 @@ what post_init bound (`offload.executors.bound`), conversions made on the host c
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,18 +16,10 @@ from offload.executors.common import normal_tensors, patch_forward
 from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.lifecycle import Lifecycle
 from offload.executors.prefetch.forward import ForwardPath
-from offload.executors.reload import (
-    Weights,
-    begin_load,
-    log_loaded,
-    refuse_read_only,
-    write_weights,
-)
+from offload.executors.reload import Weights, begin_load, log_loaded, refuse_read_only, write_weights
 from offload.pure.plan.plan import ParamPlan
 
 __all__ = ["NewWeights"]
-
-log = logging.getLogger("offload.executors.prefetch")
 
 
 class NewWeights(ForwardPath):
