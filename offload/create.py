@@ -53,7 +53,7 @@ def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None, *,
     """
     rt = runtime if runtime is not None else default_runtime(plan)
     if share_with is not None:
-        from offload.sharing.offloader import share_offloader
+        from offload.sharing.join import share_offloader
 
         return share_offloader(plan, rt, share_with)
     return build_executor(plan, rt)

@@ -107,8 +107,8 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
 
 def test_the_graph_sees_imports_inside_functions_and_type_checking_blocks() -> None:
     graph = import_graph()
-    # offload.create imports offload.sharing.offloader inside create_offloader only.
-    assert "offload.sharing.offloader" in graph["offload.create"]
+    # offload.create imports offload.sharing.join inside create_offloader only.
+    assert "offload.sharing.join" in graph["offload.create"]
     # offload.protocols names torch-free values only, and the stats under TYPE_CHECKING.
     assert "offload.pure.stats" in graph["offload.protocols"]
 

@@ -33,14 +33,13 @@ from typing import NoReturn
 from offload.errors import CheckpointError
 from offload.pure.spec.safetensors import (
     SHARD_SUFFIX,
-    CheckpointSpec,
     TensorHeader,
     check_index,
     parse_safetensors_header,
     parse_safetensors_index,
     printable,
-    spec_from_tensors,
 )
+from offload.pure.spec.stacks import CheckpointSpec, spec_from_tensors
 from offload.pure.spec.values import ModelSpec
 
 __all__ = [
@@ -271,7 +270,7 @@ def spec_from_checkpoint(path: str | os.PathLike[str]) -> ModelSpec:
         path: a directory of ``*.safetensors`` files, or one such file.
 
     Returns:
-        The layers (see `offload.pure.spec.safetensors.spec_from_tensors`); tensors outside
+        The layers (see `offload.pure.spec.stacks.spec_from_tensors`); tensors outside
         layers are dropped. `read_checkpoint` returns them too.
 
     Raises:

@@ -9,7 +9,8 @@ views, on-demand sources) point into it. `plan` holds the pure decisions (`Shari
 the segment layout, fingerprints), `admission` the host memory of the whole job (what
 every process takes, summed per host: `JobMemory`), `render` shows them, `segment`
 makes and maps the memory, `pinning` page-locks it, `source` is the executors'
-`HostSource`, `coordinate` talks to torch.distributed, and `offloader` runs the steps.
+`HostSource`, `coordinate` talks to torch.distributed, `join` brings the members together
+(`share_offloader`), and `offloader` runs the steps (its parts: `members`, `wrapping`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from offload.pure.sharing.admission import HostMemory, JobMemory, ProcessMemory
 from offload.pure.sharing.plan import HostShare, SegmentLayout, SharingPlan, Slot
 from offload.pure.sharing.render import render_sharing
 from offload.sharing.coordinate import DEFAULT_TIMEOUT_S, ShareWith
-from offload.sharing.offloader import SharedOffloader, SharingTimes, share_offloader
+from offload.sharing.join import share_offloader
+from offload.sharing.members import SharingTimes
+from offload.sharing.offloader import SharedOffloader
 from offload.sharing.segment import SEGMENT_PREFIX, leftover_segments
 
 __all__ = [

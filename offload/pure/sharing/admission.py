@@ -21,7 +21,7 @@ What is summed, and against what (the limits of `offload.pure.decide.admission`)
   container its own cgroup as ``/``) are summed together, the cautious side.
 
 The pinned-memory limits (memlock, device memory) stay each process's own, as its plan
-recorded them. No torch, no environment, no files: the shell (`offload.sharing.offloader`)
+recorded them. No torch, no environment, no files: the shell (`offload.sharing.join`)
 reads and gathers the figures.
 """
 

@@ -1,6 +1,6 @@
 """What sharing host copies among the processes of one host decides: pure values.
 
-No torch, no environment, no files: the shell (`offload.sharing.offloader`) gathers one
+No torch, no environment, no files: the shell (`offload.sharing.join`) gathers one
 `MemberInfo` from every member of the sharing group and calls these.
 
 - `weights_of`: the offloaded weights every member must hold identically, and

@@ -1,0 +1,210 @@
+"""The layer stacks of a checkpoint, from its tensors (each a `TensorHeader`, parsed by
+`offload.pure.spec.safetensors`).
+
+Layers are found by structure, not by a table of names. A tensor's first dotted segment
+that is a decimal integer, with a prefix before it and a name after it, places it:
+``model.layers.12.mlp.up_proj.weight`` is parameter ``mlp.up_proj.weight`` of layer
+``model.layers.12`` of the stack ``model.layers``; ``encoder.block.3.layer.0.w`` is in
+layer 3 of ``encoder.block``, and ``model.layers.3.mlp.experts.7.w1.weight`` stays in
+layer 3 (the first integer wins). A prefix is a stack when its numbers run 0, 1, ...,
+n - 1, with two rules against false positives:
+
+- a prefix whose numbers have a gap is an error naming the missing layer, unless every
+  entry holds only direct tensors (``merger.mlp.0.weight``, ``merger.mlp.2.weight``: an
+  ``nn.Sequential`` of single modules with a parameterless activation between them), in
+  which case its tensors are not layers;
+- a prefix with a single entry (``mid_block.attentions.0``) is a stack only when no
+  prefix has two or more.
+
+Tensors outside every layer (embeddings, the final norm, the output head) are returned
+apart: they are not offloaded, and stay on the device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from offload.errors import CheckpointError
+from offload.pure._checks import int_at_least, non_empty_str, tuple_of
+from offload.pure.spec.safetensors import TensorHeader, fail, printable, short_repr
+from offload.pure.spec.values import COMPUTE_DEVICE, LayerSpec, ModelSpec, ParamSpec, contiguous_stride
+
+__all__ = ["CheckpointSpec", "StackSpec", "spec_from_tensors"]
+
+_INDEX = re.compile(r"[0-9]+")
+
+
+def _model_spec(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, ModelSpec):
+        raise CheckpointError(f"{attribute.name} must be a ModelSpec, got {short_repr(value)}",
+                              name=attribute.name, value=value)
+
+
+@attrs.frozen(kw_only=True)
+class StackSpec:
+    """One stack of layers in a checkpoint: a dotted prefix numbered 0..n-1.
+
+    Attributes:
+        name: the prefix (``model.layers``, ``encoder.block``); its layers are named
+            ``<name>.0`` to ``<name>.<n-1>``.
+        first_layer: the `LayerSpec.index` of its layer 0 in the checkpoint's `ModelSpec`
+            (stacks are concatenated there, in order).
+        num_layers: n, layers (>= 1).
+        nbytes: bytes of every tensor in its layers.
+    """
+
+    name: str = attrs.field(validator=non_empty_str(CheckpointError))
+    first_layer: int = attrs.field(validator=int_at_least(0, CheckpointError))
+    num_layers: int = attrs.field(validator=int_at_least(1, CheckpointError))
+    nbytes: int = attrs.field(validator=int_at_least(0, CheckpointError))
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSpec:
+    """What a checkpoint's headers say: the layers to plan with, and what lies outside them.
+
+    Attributes:
+        spec: the layers, in the order `spec_from_tensors` documents.
+        outside_layers: tensors in no layer (embeddings, final norm, output head), sorted by
+            name; they are not part of `spec` and are never offloaded.
+        stacks: the stacks the layers come from, in `spec`'s order; together they cover
+            every layer of `spec` exactly once.
+
+    Raises:
+        CheckpointError: a field of the wrong type, or `stacks` that do not tile `spec`'s
+            layers by name and bytes.
+    """
+
+    spec: ModelSpec = attrs.field(validator=_model_spec)
+    outside_layers: tuple[TensorHeader, ...] = attrs.field(validator=tuple_of(TensorHeader, CheckpointError))
+    stacks: tuple[StackSpec, ...] = attrs.field(validator=tuple_of(StackSpec, CheckpointError))
+
+    def __attrs_post_init__(self) -> None:
+        layers = self.spec.layers
+        expected = [(f"{stack.name}.{i}", stack.first_layer + i) for stack in self.stacks
+                    for i in range(stack.num_layers)]
+        tiled = expected == [(layer.name, layer.index) for layer in layers] and all(
+            stack.nbytes == sum(layer.nbytes for layer in layers[stack.first_layer:stack.first_layer + stack.num_layers])
+            for stack in self.stacks
+        )
+        if not tiled:
+            raise CheckpointError(
+                f"stacks do not describe the layers: {short_repr([(s.name, s.first_layer, s.num_layers) for s in self.stacks])}"
+                f" for {len(layers)} layers", name="stacks", value=self.stacks)
+
+    @property
+    def outside_bytes(self) -> int:
+        """Bytes of the tensors outside every layer."""
+        return sum(tensor.nbytes for tensor in self.outside_layers)
+
+
+def _layer_of(name: str) -> tuple[str, str, str] | None:
+    """Split a tensor name at its first integer segment: (stack, index text, param name),
+    or None when that segment is first or last, or there is none."""
+    segments = name.split(".")
+    position = next((i for i, segment in enumerate(segments) if _INDEX.fullmatch(segment)), None)
+    if position is None or position == 0 or position == len(segments) - 1:
+        return None
+    param = ".".join(segments[position + 1:])
+    return (".".join(segments[:position]), segments[position], param) if param else None
+
+
+def _param(tensor: TensorHeader, name: str) -> ParamSpec:
+    return ParamSpec(name=name, shape=tensor.shape, stride=contiguous_stride(tensor.shape),
+                     dtype=tensor.dtype, itemsize=tensor.itemsize, storage_key=None, device=COMPUTE_DEVICE)
+
+
+_Entries = dict[int, list[tuple[str, TensorHeader]]]
+
+
+def _first_missing(indices: Iterable[int]) -> int | None:
+    """The least integer >= 0 missing from `indices`; None when they are exactly 0..n-1."""
+    ordered = sorted(indices)
+    return next((expected for expected, index in enumerate(ordered) if index != expected), None)
+
+
+def spec_from_tensors(tensors: Iterable[TensorHeader]) -> CheckpointSpec:
+    """Group checkpoint tensors into stacks of layers, found by structure.
+
+    The layer of a tensor is the prefix up to and including its first integer segment
+    (``model.layers.12``, ``encoder.block.3``); its parameter name is the rest
+    (``mlp.up_proj.weight``). Which prefixes are stacks is as the module docstring says:
+    numbers 0..n-1; a gap is an error unless every entry holds only direct tensors (then
+    they are not layers); a single-entry prefix is a stack only when no prefix has two or
+    more entries. Stacks come in the order their first tensor appears when all names are
+    sorted (``decoder.block`` before ``encoder.block``); within a stack, layers run by
+    number (2 before 10). Parameters within a layer are sorted by name, on the compute
+    device, contiguous, not tied.
+
+    Args:
+        tensors: every tensor of the checkpoint, all files together, in any order.
+
+    Returns:
+        The `ModelSpec` (``LayerSpec.index`` 0..n-1 over all stacks, ``LayerSpec.name``
+        the prefix), its stacks, and the tensors outside every layer.
+
+    Raises:
+        CheckpointError: a tensor name appears twice; no tensor is in a layer (the message
+            says what was looked for, and names prefixes left out for gaps); a stack's
+            numbers do not run 0, 1, 2, ... (names the first missing layer); or two
+            spellings name one layer (``layers.01`` and ``layers.1``).
+    """
+    ordered = sorted(tensors, key=lambda t: t.name)
+    candidates: dict[str, _Entries] = {}
+    prefixes: dict[tuple[str, int], str] = {}
+    outside: list[TensorHeader] = []
+    previous: str | None = None
+    for tensor in ordered:
+        if tensor.name == previous:
+            fail(f"tensor {tensor.name!r} appears twice", name=tensor.name, value=tensor.name)
+        previous = tensor.name
+        found = _layer_of(tensor.name)
+        if found is None:
+            outside.append(tensor)
+            continue
+        stack, text, param = found
+        index, prefix = int(text), f"{stack}.{text}"
+        known = prefixes.setdefault((stack, index), prefix)
+        if known != prefix:
+            fail(f"{known!r} and {prefix!r} name the same layer", name=prefix, value=known)
+        candidates.setdefault(stack, {}).setdefault(index, []).append((param, tensor))
+    stacks: dict[str, _Entries] = {}
+    gapped: list[str] = []
+    for stack, by_index in candidates.items():
+        missing = _first_missing(by_index)
+        if missing is None:
+            stacks[stack] = by_index
+        elif all("." not in param for entries in by_index.values() for param, _ in entries):
+            # An nn.Sequential of single modules, a parameterless one between: not layers.
+            gapped.append(f"{stack!r} (no entry {missing})")
+            outside.extend(tensor for entries in by_index.values() for _, tensor in entries)
+        else:
+            name = f"{stack}.{missing}"
+            fail(f"layer {printable(name)} is missing: {printable(stack)} has layers up to {max(by_index)} "
+                  f"but none numbered {missing}", name=name, value=missing)
+    if any(len(by_index) >= 2 for by_index in stacks.values()):
+        for stack in [stack for stack, by_index in stacks.items() if len(by_index) == 1]:
+            outside.extend(tensor for entries in stacks.pop(stack).values() for _, tensor in entries)
+    if not stacks:
+        sample = tuple(t.name for t in ordered[:3])
+        fail(f"no layers found: no tensor name among {len(ordered)} has a <stack>.<N>.<name> form with the "
+              "stack's numbers running 0, 1, ..."
+              + (f" (e.g. {', '.join(sample)})" if sample else "")
+              + (f"; numbered with gaps, so not layers: {', '.join(gapped)}" if gapped else ""),
+              name="layers", value=sample)
+    layers: list[LayerSpec] = []
+    found_stacks: list[StackSpec] = []
+    for stack, by_index in stacks.items():
+        first = len(layers)
+        for index in range(len(by_index)):
+            params = tuple(_param(tensor, param) for param, tensor in sorted(by_index[index], key=lambda p: p[0]))
+            layers.append(LayerSpec(index=len(layers), name=prefixes[(stack, index)], params=params))
+        found_stacks.append(StackSpec(name=stack, first_layer=first, num_layers=len(by_index),
+                                      nbytes=sum(layer.nbytes for layer in layers[first:])))
+    outside.sort(key=lambda t: t.name)
+    return CheckpointSpec(spec=ModelSpec(layers=tuple(layers)), outside_layers=tuple(outside),
+                          stacks=tuple(found_stacks))
