@@ -20,7 +20,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from offload.capture.env import MAPS_PATH, ProbeError, open_libcudart
+from offload.capture.device import ProbeError, open_libcudart
+from offload.capture.proc import MAPS_PATH
 from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
 
 __all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls"]
