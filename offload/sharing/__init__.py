@@ -15,7 +15,7 @@ makes and maps the memory, `pinning` page-locks it, `source` is the executors'
 
 from __future__ import annotations
 
-from offload.pure.sharing.admission import HostMemory, JobMemory, ProcessMemory
+from offload.pure.sharing.memory import HostMemory, JobMemory, ProcessMemory
 from offload.pure.sharing.plan import HostShare, SegmentLayout, SharingPlan, Slot
 from offload.pure.sharing.render import render_sharing
 from offload.sharing.coordinate import DEFAULT_TIMEOUT_S, ShareWith

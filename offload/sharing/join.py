@@ -31,14 +31,8 @@ from offload.protocols import RegisteredRanges, Runtime
 from offload.pure.decide.pinning import PinMethod
 from offload.pure.env.snapshot import Platform
 from offload.pure.plan.plan import OffloadPlan
-from offload.pure.sharing.admission import (
-    JobMemory,
-    ProcessMemory,
-    assess_job,
-    job_plan,
-    private_host_bytes,
-    process_host_bytes,
-)
+from offload.pure.sharing.admission import assess_job, job_plan
+from offload.pure.sharing.memory import JobMemory, ProcessMemory, private_host_bytes, process_host_bytes
 from offload.pure.sharing.plan import (
     CACHE_LINE,
     MemberInfo,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 from torch import nn
@@ -21,15 +20,12 @@ from offload.errors import ExecutionError
 from offload.executors.common import Ref
 from offload.protocols import Offloader, Runtime
 from offload.pure.plan.plan import OffloadPlan
-from offload.pure.sharing.admission import HostMemory
+from offload.pure.sharing.memory import HostMemory
 from offload.pure.sharing.plan import SegmentLayout, SharingPlan
 from offload.sharing.coordinate import Channel
 from offload.sharing.segment import SegmentMapping
 from offload.sharing.source import SharedHostSource
 from offload.sharing.verdicts import Verdicts
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["SharedMember", "SharingTimes"]
 

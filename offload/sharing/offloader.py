@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import attrs
 import torch
@@ -52,12 +52,10 @@ from torch import nn
 from offload.errors import ExecutionError
 from offload.executors.reload import Weights
 from offload.pure.check import LiveCheck
-from offload.pure.sharing.admission import HostMemory, refusal_text
+from offload.pure.sharing.admission import refusal_text
+from offload.pure.sharing.memory import HostMemory
 from offload.pure.stats import OffloadStats
 from offload.runtime.copies import span_chunks
-
-if TYPE_CHECKING:
-    pass
 from offload.sharing.wrapping import SharedWrap
 
 __all__ = ["SharedOffloader"]

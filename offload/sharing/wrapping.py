@@ -10,13 +10,13 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from offload.errors import ExecutionError
 from offload.pure.units import format_bytes, ranks_text
 from offload.sharing.coordinate import Channel
+from offload.sharing.members import SharedMember, SharingTimes
 from offload.sharing.segment import (
     SegmentMapping,
     check_room,
@@ -27,10 +27,6 @@ from offload.sharing.segment import (
     unlink_segment,
 )
 from offload.sharing.source import SharedHostSource, slot_moves
-
-if TYPE_CHECKING:
-    pass
-from offload.sharing.members import SharedMember, SharingTimes
 
 __all__ = ["SharedWrap"]
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import attrs
 
 from offload.pure.plan.plan import OffloadPlan
-from offload.pure.sharing.admission import JobMemory
+from offload.pure.sharing.memory import JobMemory
 from offload.pure.units import ranks_text
 
 __all__ = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from offload.pure.decide.admission import HostFit
-from offload.pure.sharing.admission import JobMemory
+from offload.pure.sharing.memory import JobMemory
 from offload.pure.sharing.plan import SharingPlan
 from offload.pure.units import format_bytes, ranks_text
 

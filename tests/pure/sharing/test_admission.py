@@ -15,14 +15,8 @@ from offload import EnvSnapshot, OffloadConfig, WarningCode, describe_layers, ma
 from offload.pure import CgroupMemory, HostCheck, HostFit, HostLimit
 from offload.pure.decide.admission import HostAdmission, LimitCheck
 from offload.pure.plan.plan import OffloadPlan
-from offload.pure.sharing.admission import (
-    ProcessMemory,
-    assess_job,
-    job_plan,
-    local_admission,
-    private_host_bytes,
-    process_host_bytes,
-)
+from offload.pure.sharing.admission import assess_job, job_plan, local_admission
+from offload.pure.sharing.memory import ProcessMemory, private_host_bytes, process_host_bytes
 from offload.pure.sharing.plan import HostShare, SharingPlan
 from offload.pure.sharing.render import render_sharing
 from tests.executors.helpers import CUDA_LIKE, on_compute_device
