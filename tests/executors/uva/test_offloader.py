@@ -3,9 +3,9 @@ device view on the CPU is the host copy itself, and ON_DEMAND, copied per call t
 functional_call), ties within and across layers, special weights, strides, hooks and
 restore.
 
-Lifecycle errors and mismatched models are in test_uva_lifecycle.py; host memory (the pin
-regression, one copy per storage, failures, fallbacks, capture) in test_uva_hostmem.py;
-post-processing in test_uva_postprocess.py.
+Lifecycle errors and mismatched models are in test_lifecycle.py; host memory (the pin
+regression, one copy per storage, failures, fallbacks, capture) in test_host_memory.py;
+post-processing in test_post_processing.py.
 """
 
 from __future__ import annotations

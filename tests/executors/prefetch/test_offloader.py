@@ -2,8 +2,8 @@
 weights (transposed, int8, float8, tied), restore, lifecycle errors, mismatched models,
 rollback after a failed host copy, and the pin decision reaching the runtime unchanged.
 
-Post-processing is in test_prefetch_postprocess.py; copy/compute ordering and CUDA-graph
-logic (with a recording fake runtime) are in test_prefetch_streams.py.
+Post-processing is in test_post_processing.py; copy/compute ordering and CUDA-graph
+logic (with a recording fake runtime) are in test_streams.py.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import offload.executors.prefetch as prefetch
 
-PACKAGE = Path(__file__).resolve().parents[2] / "offload"
+PACKAGE = Path(__file__).resolve().parents[3] / "offload"
 DEFINITION = re.compile(r"^Note \[([a-z ]+)\]$", re.MULTILINE)
 REFERENCE = re.compile(r"Note \[([a-z ]+)\]")
 

@@ -23,7 +23,7 @@ from tests.executors.blocks_helpers import BlockRuntime, linear_stack
 from tests.executors.fakes import Copy
 from tests.executors.helpers import assert_restored, cpu_plan, prefetch, snapshot
 from tests.executors.models import layer_list
-from tests.executors.test_layer_blocks import activations
+from tests.executors.prefetch.test_layer_blocks import activations
 
 
 @attrs.define
