@@ -10,11 +10,19 @@ captured in a CUDA graph.
 What each layer copies is fixed at `post_init` (`LayerCopies`). Under torch.compile the
 copies are made by the custom op `offload.executors.ops.copy_on_demand`, which calls the
 same `copy_layer`; in eager the executor calls it directly.
+
+Exact routes. In eager, the copies swapped in for a call require grad exactly when the
+Parameters they stand for do (`grads_wanted`), and those that do are ordinary tensors even
+under ``torch.inference_mode`` (an inference tensor that requires grad takes other routes
+than a Parameter). PyTorch's dispatch reads the flag even without autograd: ``F.linear``
+on an input whose leading dimensions cannot be flattened without a copy folds into one
+``mm`` for a weight that requires grad and runs a batched one otherwise, which rounds
+differently. So an on-demand layer computes exactly what its resident original does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -36,6 +44,7 @@ __all__ = [
     "bind_sites",
     "check_capturable",
     "copy_layer",
+    "grads_wanted",
     "holder_now",
     "on_demand_layers",
     "run_swapped",
@@ -98,8 +107,16 @@ def on_demand_layers(params: Iterable[ParamPlan], store: HostStore, viewed: set[
     return {layer: LayerCopies.of(tuple(entries)) for layer, entries in table.items()}
 
 
-def copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime) -> tuple[list[torch.Tensor], int]:
+def copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime,
+               grads: Sequence[bool] | None = None) -> tuple[list[torch.Tensor], int]:
     """A device copy of each of the layer's host copies, once per storage.
+
+    Args:
+        copies: what the layer copies.
+        store: the host copies.
+        runtime: makes the device copies.
+        grads: per owner (`copies.owners` order), whether its copy is to require grad as
+            its Parameter does (`grads_wanted`; see "Exact routes" above); None: none does.
 
     Returns:
         The copies (in `copies.owners` order) and the bytes they moved.
@@ -107,15 +124,26 @@ def copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime) -> tuple
     Raises:
         ExecutionError: a copy failed (the cause attached).
     """
+    if grads is not None and torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # ordinary tensors, as the Parameters are
+            return _copy_layer(copies, store, runtime, grads)
+    return _copy_layer(copies, store, runtime, grads)
+
+
+def _copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime,
+                grads: Sequence[bool] | None) -> tuple[list[torch.Tensor], int]:
     out: list[torch.Tensor] = []
     nbytes = 0
-    for owner in copies.owners:
+    for i, owner in enumerate(copies.owners):
         host = host_of(store, owner)
         try:
-            out.append(runtime.to_device(host))
+            copy = runtime.to_device(host)
         except BaseException as exc:
             raise_as_execution_error(exc, f"the on-demand copy of layer {owner[0]} parameter {owner[1]!r} failed",
                                      owner[1])
+        if grads is not None and grads[i]:
+            copy.requires_grad_(True)
+        out.append(copy)
         nbytes += host.untyped_storage().nbytes()
     return out, nbytes
 
@@ -158,6 +186,18 @@ def holder_now(module: nn.Module, name: str) -> nn.Module | None:
     for part in name.split(".")[:-1]:
         holder = holder._modules.get(part) if holder is not None else None
     return holder
+
+
+def grads_wanted(sites: tuple[Site, ...], copies: LayerCopies) -> tuple[bool, ...] | None:
+    """Per owner of `copies`, whether a Parameter it stands for requires grad, read now (a
+    user may freeze a model after post_init); None when none does (the common case, and
+    free: nothing to set)."""
+    if not any(site[4].requires_grad for site in sites):
+        return None
+    wanted = [False] * len(copies.owners)
+    for site, (_, index) in zip(sites, copies.keys, strict=True):
+        wanted[index] = wanted[index] or site[4].requires_grad
+    return tuple(wanted)
 
 
 def run_swapped(sites: tuple[Site, ...], copies: LayerCopies, tensors: list[torch.Tensor],

@@ -21,6 +21,7 @@ from offload.executors.ondemand import (
     Site,
     check_capturable,
     copy_layer,
+    grads_wanted,
     holder_now,
     on_demand_layers,
     run_swapped,
@@ -67,11 +68,12 @@ class OnDemand(HostViews):
                 return forward(*args, **kwargs)
             sites = self._sites[layer]
             self._check_unchanged(layer, sites)  # data pointers: eager only
+            grads = grads_wanted(sites, copies)  # the routes the Parameters take (module docstring)
             if profiling():
                 with torch.profiler.record_function(f"offload.copy on demand layer {layer}"):
-                    tensors = self._copy(layer, copies)
+                    tensors = self._copy(layer, copies, grads)
             else:
-                tensors = self._copy(layer, copies)
+                tensors = self._copy(layer, copies, grads)
             self._running.add(layer)
             try:
                 return run_swapped(sites, copies, tensors, forward, args, kwargs)
@@ -118,12 +120,12 @@ class OnDemand(HostViews):
         copies = self._copies_of(layer)
         return [] if copies is None else self._copy(layer, copies)
 
-    def _copy(self, layer: int, copies: LayerCopies) -> list[torch.Tensor]:
+    def _copy(self, layer: int, copies: LayerCopies, grads: tuple[bool, ...] | None = None) -> list[torch.Tensor]:
         if layer == self._first_on_demand:
             self._steps += 1
         if self._rt.is_capturing():
             check_capturable(layer, copies.owners, self._host, self._rt, self._plan.pin)
-        tensors, nbytes = copy_layer(copies, self._host, self._rt)
+        tensors, nbytes = copy_layer(copies, self._host, self._rt, grads)
         self._copies_issued += len(tensors)
         self._bytes_copied += nbytes
         if layer == self._last_on_demand and self._step_log.active:
