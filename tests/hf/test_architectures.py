@@ -31,7 +31,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
                                           num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32),
     "falcon": lambda: transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3,
                                                 num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_COMMON, num_key_value_heads=2, head_dim=8, num_experts=4,
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**_COMMON, num_key_value_heads=2, num_experts=4,
                                                      num_experts_per_tok=2, moe_intermediate_size=16,
                                                      decoder_sparse_step=1),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**_COMMON, num_key_value_heads=4, moe_intermediate_size=16,

@@ -35,7 +35,8 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = x.reshape(2, IN).as_strided((2, 1, IN), (IN, 1, 1))
-        return x + self.proj(step)[:, 0, :IN] * 1e-3
+        y: torch.Tensor = self.proj(step)
+        return x + y[:, 0, :IN] * 1e-3
 
 
 def _layers(requires_grad: bool) -> nn.ModuleList:
@@ -45,7 +46,7 @@ def _layers(requires_grad: bool) -> nn.ModuleList:
     return layers
 
 
-def _run(layers: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _run(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
     return x
