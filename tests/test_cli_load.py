@@ -4,6 +4,7 @@ restore; its errors; and the progress line it shows while loading."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pty
@@ -15,9 +16,10 @@ import pytest
 
 from offload import capture_env
 from offload.cli import main
+from offload.cli.load import _ProgressScope
 from offload.cli.progress import ProgressLine
 from offload.pure.units import format_bytes
-from tests.hf.checkpoints import build, save
+from tests.hf.checkpoints import build, build_llava, build_whisper, save, save_any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,6 +123,108 @@ def test_load_filter_offloads_only_matching_parameters(capsys: pytest.CaptureFix
     assert code == 0, err
     # gate, up and down of layers 1 and 3.
     assert lines_by_label(out)["stats"].startswith("6 parameters offloaded, ")
+
+
+# ---- the class built: the saved one, or --class ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_any(build_llava(), tmp_path_factory.mktemp("cli-load-llava") / "llava")
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_any(build_whisper(), tmp_path_factory.mktemp("cli-load-whisper") / "whisper")
+
+
+def edited_copy(checkpoint: Path, into: Path, **config: object) -> Path:
+    """A copy of `checkpoint` whose config.json has `config` set (None: removed)."""
+    for file in checkpoint.iterdir():
+        (into / file.name).write_bytes(file.read_bytes())
+    saved = json.loads((into / "config.json").read_text())
+    for key, value in config.items():
+        if value is None:
+            saved.pop(key, None)
+        else:
+            saved[key] = value
+    (into / "config.json").write_text(json.dumps(saved))
+    return into
+
+
+def test_load_builds_the_saved_class(capsys: pytest.CaptureFixture[str], llava: Path) -> None:
+    code, out, err = run(capsys, "load", str(llava))
+    assert code == 0, err
+    shown = lines_by_label(out)
+    assert shown["model"].startswith(f"LlavaForConditionalGeneration from {llava}: ")  # not LlavaModel
+    assert shown["forward"].endswith("output (1, 8, 96), finite")  # the logits of its lm_head
+    assert shown["restore"].startswith("done; ")
+    assert "as LlavaForConditionalGeneration (config.json architectures)" in err
+
+
+def test_load_of_a_model_whose_forward_needs_more_than_token_ids_exits_2(capsys: pytest.CaptureFixture[str],
+                                                                        whisper: Path) -> None:
+    code, out, err = run(capsys, "load", str(whisper))
+    assert code == 2
+    assert lines_by_label(out)["model"].startswith(f"WhisperForConditionalGeneration from {whisper}: ")
+    last = err.splitlines()[-1]
+    assert last.startswith("offload: error: the forward of 8 tokens failed: ")
+    assert last.endswith("(WhisperForConditionalGeneration may need other inputs than token ids; "
+                         "-vv for the traceback)")
+
+
+def test_load_class_flag_wins_over_the_config(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                              tmp_path: Path) -> None:
+    directory = edited_copy(checkpoint, tmp_path, architectures=["NoSuchForCausalLM"])
+    code, out, err = run(capsys, "load", str(directory))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1
+    assert "architectures names 'NoSuchForCausalLM', which transformers " in err and "--class NAME" in err
+    code, out, err = run(capsys, "load", str(directory), "--class", "LlamaForCausalLM")
+    assert code == 0, err
+    assert lines_by_label(out)["model"].startswith(f"LlamaForCausalLM from {directory}: ")
+    assert "as LlamaForCausalLM (given)" in err
+
+
+def test_load_class_flag_that_drops_weights_exits_2_naming_them(capsys: pytest.CaptureFixture[str],
+                                                                checkpoint: Path) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--class", "LlamaModel")
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == (
+        f"offload: error: {checkpoint}: not every weight loaded into LlamaModel (given): 1 in the checkpoint but "
+        "not in the model (lm_head.weight); the checkpoint does not match the class: pass the class that was saved "
+        "as model_class= (offload load: --class NAME)")
+
+
+@pytest.mark.parametrize("name", ["NoSuchModel", "LlamaConfig", "not a name"])
+def test_load_unknown_class_exits_2_naming_it(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                              name: str) -> None:
+    code, out, err = run(capsys, "load", str(checkpoint), "--class", name)
+    assert (code, out) == (2, "")
+    assert err == (f"offload load: --class {name!r}: no such model class in transformers or diffusers "
+                   "(a class name such as LlamaForCausalLM or FluxTransformer2DModel)\n")
+
+
+def test_load_without_architectures_warns_on_a_line_of_its_own(capsys: pytest.CaptureFixture[str],
+                                                                checkpoint: Path, tmp_path: Path) -> None:
+    directory = edited_copy(checkpoint, tmp_path, architectures=None)
+    code, out, err = run(capsys, "load", str(directory))
+    assert code == 0, err
+    assert lines_by_label(out)["model"].startswith("LlamaForCausalLM from ")
+    warnings = [line for line in err.splitlines() if line.startswith("WARNING offload.load: ")]
+    assert warnings == [f"WARNING offload.load: {directory}: config.json names no architectures; built "
+                        "LlamaForCausalLM (the Auto fallback), pass model_class= to choose"]
+
+
+def test_warning_line_finishes_the_progress_line_first() -> None:
+    stream = FakeStream(tty=True)
+    scope = _ProgressScope(stream)
+    log = logging.getLogger("offload.load")
+    with scope:
+        log.info("loading x")
+        log.warning("careful")
+        log.info("loaded")
+    assert stream.getvalue() == "\rloading x\nWARNING offload.load: careful\n\rloaded\n"
 
 
 # ---- errors: one line, exit 2 ----------------------------------------------------------------

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 
-from offload.cli._shared import UserError, capture
+from offload.cli._shared import UserError, capture, shown
 from offload.cli.parser import (
     LOAD_PREFETCH,
     gib_bytes,
@@ -24,6 +24,9 @@ from offload.pure.plan.plan import OffloadPlan
 from offload.pure.spec.safetensors import printable
 from offload.pure.stats import OffloadStats
 from offload.pure.units import format_bytes
+
+if TYPE_CHECKING:
+    from offload.cli.progress import ProgressLine
 
 
 def _load_request(args: argparse.Namespace, has_cuda: bool) -> tuple[OffloadConfig | None, int | None, str]:
@@ -72,6 +75,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         from offload.hf import offload_pretrained
     except ImportError as exc:  # transformers is the optional `hf` extra
         raise UserError(f"offload load needs transformers: pip install 'offload[hf]' ({exc})") from None
+    model_class = None if args.model_class is None else _model_class(args.model_class)
     start = time.monotonic()
     with _ProgressScope(sys.stderr):
         try:
@@ -79,7 +83,7 @@ def cmd_load(args: argparse.Namespace) -> int:
                 args.directory, config, device_budget_bytes=budget, env=env,
                 dtype=None if args.dtype is None else getattr(torch, args.dtype),
                 reserve_bytes=gib_bytes(args.reserve_gib or 0.0),
-                profile=profile_by_name(args.profile) if args.profile else None)
+                profile=profile_by_name(args.profile) if args.profile else None, model_class=model_class)
         except OffloadError:
             raise
         except (OSError, ValueError, RuntimeError) as exc:  # transformers refusing the directory's contents
@@ -103,41 +107,85 @@ def cmd_load(args: argparse.Namespace) -> int:
                             device=torch.device(plan.compute_device))
         with torch.inference_mode():
             output = model(input_ids=ids)[0]
-    except (OffloadError, RuntimeError, MemoryError) as exc:  # out of memory, a kernel refusing the input
+    except Exception as exc:  # out of memory, a kernel refusing the input, a model that needs more than token ids
         offloader.restore()  # give the weights back before saying why
-        if isinstance(exc, OffloadError):
+        if isinstance(exc, OffloadError) or (args.verbose >= 2 and not isinstance(exc, (RuntimeError, MemoryError))):
             raise
         lines = str(exc).strip().splitlines()
+        needs = "" if isinstance(exc, (RuntimeError, MemoryError)) else (
+            f" ({type(model).__name__} may need other inputs than token ids; -vv for the traceback)")
         raise ExecutionError(f"the forward of {args.tokens} tokens failed: {type(exc).__name__}: "
-                             f"{lines[0] if lines else ''}", name="tokens", value=args.tokens) from exc
+                             f"{lines[0] if lines else ''}{needs}", name="tokens", value=args.tokens) from exc
     print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
           f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
     print(f"stats:    {_stats_summary(offloader.stats())}")
     return _restore_and_check(model, offloader)
 
 
+def _model_class(name: str) -> Any:
+    """The model class ``--class NAME`` names: transformers' first, else diffusers' (imported
+    only then). UserError naming it when neither has it."""
+    from offload.hf.pretrained import model_class_named
+
+    found = model_class_named(name, "transformers")
+    if found is None:
+        try:
+            found = model_class_named(name, "diffusers")
+        except ImportError:
+            found = None
+    if found is None:
+        raise UserError(f"offload load: --class {shown(name)}: no such model class in transformers "
+                        "or diffusers (a class name such as LlamaForCausalLM or FluxTransformer2DModel)")
+    return found
+
+
 class _ProgressScope:
     """While entered, the ``offload.load`` logger's INFO records go to a `ProgressLine`
-    on `stream` (and nowhere else); on exit the line is finished and the logger restored."""
+    on `stream` (and nowhere else), and its warnings to a line of their own there (the
+    progress line is finished first, so that no later progress overwrites them); on exit
+    the line is finished and the logger restored."""
 
     def __init__(self, stream: TextIO) -> None:
         from offload.cli.progress import ProgressLine
 
         self._handler = ProgressLine(stream)
         self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._handler.addFilter(lambda record: record.levelno < logging.WARNING)
+        self._warnings = _WarningLine(self._handler, stream)
         self._log = logging.getLogger("offload.load")
         self._saved = (self._log.level, self._log.propagate)
 
     def __enter__(self) -> None:
         self._log.addHandler(self._handler)
+        self._log.addHandler(self._warnings)
         self._log.setLevel(logging.INFO)
         self._log.propagate = False  # shown once, by the progress line
 
     def __exit__(self, *exc: object) -> None:
         self._handler.end()
         self._log.removeHandler(self._handler)
+        self._log.removeHandler(self._warnings)
         self._log.setLevel(self._saved[0])
         self._log.propagate = self._saved[1]
+
+
+class _WarningLine(logging.Handler):
+    """WARNING and above as ``WARNING offload.load: message``, one line of their own after
+    finishing `progress`'s line."""
+
+    def __init__(self, progress: ProgressLine, stream: TextIO) -> None:
+        super().__init__(logging.WARNING)
+        self._progress = progress
+        self._stream = stream
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._progress.end()
+            self._stream.write(self.format(record).replace("\n", " ") + "\n")
+            self._stream.flush()
+        except Exception:  # logging's contract: report, never raise
+            self.handleError(record)
 
 
 def _outside_bytes(model: Any) -> int:

@@ -162,5 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--profile", choices=sorted(PROFILES),
                       help="when fitting: the device's speeds (default: matched from its name)")
     load.add_argument("--dtype", choices=LOAD_DTYPES, help="the weights' dtype (default: the checkpoint's)")
+    load.add_argument("--class", dest="model_class", metavar="NAME",
+                      help="the model class to build, a transformers or diffusers class name "
+                      "(default: the one config.json names)")
     load.add_argument("--tokens", type=tokens, default=8, help="random token ids for the forward pass (default 8)")
     return parser
