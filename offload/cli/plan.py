@@ -79,7 +79,8 @@ def _source(name: str, *, counted: str) -> _Source:
     if os.path.exists(name):
         from offload.model.checkpoint import read_checkpoint
 
-        result = read_checkpoint(name)
+        buffer_names, buffer_source = _buffers(name)
+        result = read_checkpoint(name, buffers=buffer_names or frozenset())
         details = [
             f"stack:    {printable(stack.name)}: {count_of(stack.num_layers, 'layer')} (plan layers "
             f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"
@@ -87,7 +88,15 @@ def _source(name: str, *, counted: str) -> _Source:
         ]
         if result.outside_layers:
             details.append(f"outside:  {count_of(len(result.outside_layers), 'tensor')} outside the layers, "
-                           f"{format_bytes(result.outside_bytes)}, resident on the device; {counted}")
+                           f"{format_bytes(result.outside_bytes - result.buffer_bytes)}, resident on the device; "
+                           f"{counted}")
+        if buffer_names is None:
+            details.append(f"buffers:  not known ({printable(buffer_source)}): every tensor in a layer is planned "
+                           "as a parameter, persistent buffers too")
+        elif result.buffers:
+            details.append(f"buffers:  {count_of(len(result.buffers), 'tensor')} {buffer_source} holds as persistent "
+                           f"buffers, {format_bytes(result.buffer_bytes)}, resident on the device, not planned; "
+                           f"{counted}")
         return _Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
                        details=tuple(details))
     if name in PRESETS:
@@ -99,6 +108,18 @@ def _source(name: str, *, counted: str) -> _Source:
     raise UserError(
         f"offload plan: {name!r} is neither an existing path nor a preset ({', '.join(sorted(PRESETS))})"
     )
+
+
+def _buffers(name: str) -> tuple[frozenset[str] | None, str]:
+    """The persistent buffers of the checkpoint's model class and the class (see
+    `offload.hf.checkpoint_buffers`), or None and why they are not known (torch missing
+    included: this module does not import it otherwise)."""
+    try:
+        from offload.hf.buffers import checkpoint_buffers
+    except ImportError as exc:
+        return None, f"torch is needed to build the model class ({exc})"
+    known = checkpoint_buffers(name)
+    return known.names, known.source
 
 
 def _print_model(source: _Source) -> None:

@@ -5,19 +5,24 @@
   `post_init`; the weights outside the layers go to the device.
 - `offload_pretrained(path, ...)`: a local checkpoint loaded into host memory by
   `transformers` and offloaded, never materialised whole on the device.
+- `checkpoint_buffers(path)`: which tensors of a checkpoint the model holds as buffers
+  (its class built on meta), so that a plan from the headers does not offload them.
 
 `find_layers` and `offload_model` work on any `nn.Module`; only `offload_pretrained`
 needs `transformers` (``pip install 'offload[hf]'``), imported when it is called.
 `import offload` never imports this package.
 """
 
+from offload.hf.buffers import BufferNames, checkpoint_buffers
 from offload.hf.layers import StackCandidate, find_layers, layer_stacks
 from offload.hf.model import ModelOffloader, offload_model, plan_model
 from offload.hf.pretrained import load_on_host, offload_pretrained
 
 __all__ = [
+    "BufferNames",
     "ModelOffloader",
     "StackCandidate",
+    "checkpoint_buffers",
     "find_layers",
     "layer_stacks",
     "load_on_host",

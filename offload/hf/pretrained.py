@@ -38,7 +38,7 @@ from offload.pure.units import format_bytes
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["load_on_host", "model_class_named", "offload_pretrained"]
+__all__ = ["load_on_host", "model_class_named", "offload_pretrained", "saved_class"]
 
 log = logging.getLogger("offload.load")
 
@@ -101,7 +101,7 @@ def _read_config(path: Path) -> Mapping[str, Any]:
     return config
 
 
-def _saved_class(path: Path) -> tuple[Any | None, str]:
+def saved_class(path: Path) -> tuple[Any | None, str]:
     """The class ``config.json`` (`path`) names and where the name came from; None for no
     name at all (the Auto fallback). Raises CheckpointError when a name cannot be built."""
     config = _read_config(path)
@@ -223,7 +223,7 @@ def load_on_host(path: str | os.PathLike[str], *, dtype: torch.dtype | None = No
         raise CheckpointError(f"{root}: no config.json", name=str(root / "config.json"), value=None)
     source = "given"
     if model_class is None:
-        model_class, source = _saved_class(root / "config.json")
+        model_class, source = saved_class(root / "config.json")
     checkpoint = read_checkpoint(root)  # every shard present and consistent, before loading anything
     total = checkpoint.spec.nbytes + checkpoint.outside_bytes
     options: dict[str, Any] = {"local_files_only": True, **kwargs}

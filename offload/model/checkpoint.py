@@ -25,7 +25,7 @@ import logging
 import os
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from io import RawIOBase
 from pathlib import Path
 from typing import NoReturn
@@ -227,12 +227,15 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
     return tensors
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointSpec:
+def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = frozenset()) -> CheckpointSpec:
     """Read every header of a checkpoint and group its tensors into layers.
 
     Args:
         path: a directory of ``*.safetensors`` files (with or without an index), an index
             file, or one ``.safetensors`` file.
+        buffers: names of the tensors the model holds as persistent buffers, kept out of
+            the layers (`spec_from_tensors`; `offload.hf.checkpoint_buffers` finds them
+            for a Hugging Face checkpoint).
 
     Returns:
         The layers to plan with, the stacks they come from, and the tensors outside every
@@ -256,10 +259,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> CheckpointSpec:
             tensors.append(tensor)
     if index is not None and weight_map is not None:
         check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
-    result = spec_from_tensors(tensors)
-    logger.debug("%s: %d files, %d layers, %d tensors outside layers (stacks: %s)",
+    result = spec_from_tensors(tensors, buffers=buffers)
+    logger.debug("%s: %d files, %d layers, %d tensors outside layers, %d buffers (stacks: %s)",
                  _shown(os.fspath(path)), len(files), len(result.spec.layers), len(result.outside_layers),
-                 ", ".join(stack.name for stack in result.stacks))
+                 len(result.buffers), ", ".join(stack.name for stack in result.stacks))
     return result
 
 

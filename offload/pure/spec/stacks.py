@@ -23,7 +23,7 @@ apart: they are not offloaded, and stay on the device.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import attrs
@@ -73,6 +73,9 @@ class CheckpointSpec:
             name; they are not part of `spec` and are never offloaded.
         stacks: the stacks the layers come from, in `spec`'s order; together they cover
             every layer of `spec` exactly once.
+        buffers: tensors the model holds as persistent buffers, not parameters (named by
+            the caller, who knows the model class: `spec_from_tensors`), sorted by name;
+            like the model's other buffers they stay on the device and are not in `spec`.
 
     Raises:
         CheckpointError: a field of the wrong type, or `stacks` that do not tile `spec`'s
@@ -82,6 +85,7 @@ class CheckpointSpec:
     spec: ModelSpec = attrs.field(validator=_model_spec)
     outside_layers: tuple[TensorHeader, ...] = attrs.field(validator=tuple_of(TensorHeader, CheckpointError))
     stacks: tuple[StackSpec, ...] = attrs.field(validator=tuple_of(StackSpec, CheckpointError))
+    buffers: tuple[TensorHeader, ...] = attrs.field(default=(), validator=tuple_of(TensorHeader, CheckpointError))
 
     def __attrs_post_init__(self) -> None:
         layers = self.spec.layers
@@ -98,8 +102,14 @@ class CheckpointSpec:
 
     @property
     def outside_bytes(self) -> int:
-        """Bytes of the tensors outside every layer."""
-        return sum(tensor.nbytes for tensor in self.outside_layers)
+        """Bytes of every tensor not in `spec`, which stays on the device: the tensors
+        outside every layer and the buffers."""
+        return sum(tensor.nbytes for tensor in self.outside_layers) + self.buffer_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers."""
+        return sum(tensor.nbytes for tensor in self.buffers)
 
 
 def _layer_of(name: str) -> tuple[str, str, str] | None:
@@ -127,7 +137,7 @@ def _first_missing(indices: Iterable[int]) -> int | None:
     return next((expected for expected, index in enumerate(ordered) if index != expected), None)
 
 
-def spec_from_tensors(tensors: Iterable[TensorHeader]) -> CheckpointSpec:
+def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[str] = frozenset()) -> CheckpointSpec:
     """Group checkpoint tensors into stacks of layers, found by structure.
 
     The layer of a tensor is the prefix up to and including its first integer segment
@@ -142,10 +152,14 @@ def spec_from_tensors(tensors: Iterable[TensorHeader]) -> CheckpointSpec:
 
     Args:
         tensors: every tensor of the checkpoint, all files together, in any order.
+        buffers: names of tensors the model holds as persistent buffers (known from its
+            class, e.g. built on meta: `offload.hf.checkpoint_buffers`): they are taken out
+            before layers are found and returned apart; names the checkpoint lacks are
+            ignored. Empty: every tensor in a layer is planned as a parameter.
 
     Returns:
         The `ModelSpec` (``LayerSpec.index`` 0..n-1 over all stacks, ``LayerSpec.name``
-        the prefix), its stacks, and the tensors outside every layer.
+        the prefix), its stacks, the tensors outside every layer, and the buffers.
 
     Raises:
         CheckpointError: a tensor name appears twice; no tensor is in a layer (the message
@@ -154,6 +168,10 @@ def spec_from_tensors(tensors: Iterable[TensorHeader]) -> CheckpointSpec:
             spellings name one layer (``layers.01`` and ``layers.1``).
     """
     ordered = sorted(tensors, key=lambda t: t.name)
+    held = frozenset(buffers)
+    found_buffers = tuple(t for t in ordered if t.name in held)
+    if found_buffers:
+        ordered = [t for t in ordered if t.name not in held]
     candidates: dict[str, _Entries] = {}
     prefixes: dict[tuple[str, int], str] = {}
     outside: list[TensorHeader] = []
@@ -207,4 +225,4 @@ def spec_from_tensors(tensors: Iterable[TensorHeader]) -> CheckpointSpec:
                                       nbytes=sum(layer.nbytes for layer in layers[first:])))
     outside.sort(key=lambda t: t.name)
     return CheckpointSpec(spec=ModelSpec(layers=tuple(layers)), outside_layers=tuple(outside),
-                          stacks=tuple(found_stacks))
+                          stacks=tuple(found_stacks), buffers=found_buffers)

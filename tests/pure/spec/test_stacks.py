@@ -290,3 +290,30 @@ def test_every_tensor_is_placed_once_whatever_the_input_order(
         assert [p.name for p in layer.params] == sorted(p.name for p in layer.params)
         assert all(p.shape == (index + 1, 3) and p.stride == contiguous_stride(p.shape) for p in layer.params)
 
+
+
+# ----------------------------------------------------------------------------- buffers
+
+def test_named_buffers_are_taken_out_of_the_layers_and_kept_on_the_device() -> None:
+    names = [f"model.layers.{i}.{leaf}" for i in range(2) for leaf in ("mlp.up.weight", "mlp.gate.bias_correction")]
+    buffer_names = {f"model.layers.{i}.mlp.gate.bias_correction" for i in range(2)}
+    result = spec_from_tensors([tensor(n) for n in [*names, "lm_head.weight"]], buffers=buffer_names)
+    assert [p.name for layer in result.spec.layers for p in layer.params] == ["mlp.up.weight", "mlp.up.weight"]
+    assert [t.name for t in result.buffers] == sorted(buffer_names)
+    assert [t.name for t in result.outside_layers] == ["lm_head.weight"]
+    # Everything not planned stays on the device: the tensors outside the layers and the buffers.
+    assert result.outside_bytes == sum(t.nbytes for t in (*result.outside_layers, *result.buffers))
+    assert result.buffer_bytes == sum(t.nbytes for t in result.buffers) > 0
+
+
+def test_without_buffers_named_every_layer_tensor_is_a_parameter() -> None:
+    names = [f"model.layers.{i}.{leaf}" for i in range(2) for leaf in ("w", "b")]
+    result = spec_from_tensors([tensor(n) for n in names])
+    assert result.buffers == () and result.buffer_bytes == 0
+    assert sum(len(layer.params) for layer in result.spec.layers) == 4
+
+
+def test_buffer_names_absent_from_the_checkpoint_change_nothing() -> None:
+    names = [f"h.{i}.w" for i in range(3)]
+    plain = spec_from_tensors([tensor(n) for n in names])
+    assert spec_from_tensors([tensor(n) for n in names], buffers={"h.0.rotary.inv_freq"}) == plain
