@@ -18,6 +18,9 @@ than a Parameter). PyTorch's dispatch reads the flag even without autograd: ``F.
 on an input whose leading dimensions cannot be flattened without a copy folds into one
 ``mm`` for a weight that requires grad and runs a batched one otherwise, which rounds
 differently. So an on-demand layer computes exactly what its resident original does.
+Such a copy (float32, a leaf that requires grad) is what autocast caches its casts of until
+the outermost autocast region ends, which would keep every call's copies alive: the layer
+runs with autocast's cache off (`run_swapped`), which recomputes the same casts.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def _copy_layer(copies: LayerCopies, store: HostStore, runtime: Runtime,
         except BaseException as exc:
             raise_as_execution_error(exc, f"the on-demand copy of layer {owner[0]} parameter {owner[1]!r} failed",
                                      owner[1])
-        if grads is not None and grads[i]:
+        if grads is not None and grads[i] and copy is not host:
             copy.requires_grad_(True)
         out.append(copy)
         nbytes += host.untyped_storage().nbytes()
@@ -201,10 +204,19 @@ def grads_wanted(sites: tuple[Site, ...], copies: LayerCopies) -> tuple[bool, ..
 
 
 def run_swapped(sites: tuple[Site, ...], copies: LayerCopies, tensors: list[torch.Tensor],
-                forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                *, device_type: str = "cpu", grads: bool = False) -> Any:
     """Eager `run_with`: the layer's forward with each copied parameter's entry in its
     module's ``_parameters`` pointing at its device copy for the call, put back after
-    (what `functional_call` does, without its generality)."""
+    (what `functional_call` does, without its generality). With `grads` (some copy
+    requires grad) under autocast on `device_type`, autocast's cache is off for the call:
+    it would keep those copies alive until the autocast region ends (module docstring)."""
+    if grads and torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+        torch.set_autocast_cache_enabled(False)
+        try:
+            return run_swapped(sites, copies, tensors, forward, args, kwargs)
+        finally:
+            torch.set_autocast_cache_enabled(True)
     try:
         for (_, _, params, leaf, _, _), (_, index) in zip(sites, copies.keys, strict=True):
             params[leaf] = tensors[index]

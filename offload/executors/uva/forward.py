@@ -53,6 +53,7 @@ class OnDemand(HostViews):
 
     def _wrap_forward(self, layer: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         call = LayerCall(self._layers[layer], forward)
+        device_type = self._rt.device.type
 
         def on_demand_forward(*args: Any, **kwargs: Any) -> Any:
             copies = self._copies_of(layer)
@@ -76,7 +77,8 @@ class OnDemand(HostViews):
                 tensors = self._copy(layer, copies, grads)
             self._running.add(layer)
             try:
-                return run_swapped(sites, copies, tensors, forward, args, kwargs)
+                return run_swapped(sites, copies, tensors, forward, args, kwargs, device_type=device_type,
+                                   grads=grads is not None)
             finally:
                 self._running.discard(layer)
 

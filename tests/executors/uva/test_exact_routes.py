@@ -10,6 +10,7 @@ dimensions cannot be flattened without a copy, through a linear layer without bi
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload import Placement
+from offload import Placement, create_offloader
+from offload.runtime.cpu import CpuRuntime
 from tests.executors.helpers import uva
 from tests.executors.uva_helpers import cpu_on_demand_plan, on_demand_plan
 
@@ -89,3 +91,34 @@ def test_on_demand_outputs_equal_the_resident_ones_bit_for_bit(mode: str, requir
     assert all(p.requires_grad is requires_grad for p in layers.parameters())
     off.restore()
     assert all(torch.equal(a, b) for a, b in zip(layers.parameters(), reference.parameters(), strict=True))
+
+
+class _Recording(CpuRuntime):
+    """`CpuRuntime` whose on-demand copies are watched (weak references)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[weakref.ref[torch.Tensor]] = []
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        out = super().to_device(host)
+        self.copies.append(weakref.ref(out))
+        return out
+
+
+def test_under_autocast_the_copies_are_freed_when_the_layer_returns() -> None:
+    # Autocast caches its casts of float32 leaves that require grad until its region ends:
+    # with the cache on, every call's copies would stay alive for the whole region.
+    layers = _layers(True)
+    runtime = _Recording()
+    off = create_offloader(cpu_on_demand_plan(layers), runtime)
+    off.wrap_modules(list(layers))
+    off.post_init()
+    x = next(_inputs())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for layer in layers:
+            x = layer(x)
+            assert runtime.copies and all(ref() is None for ref in runtime.copies)
+        assert torch.is_autocast_cache_enabled()  # given back as it was
+    assert len(runtime.copies) == len(layers)
+    off.restore()
