@@ -93,24 +93,20 @@ def test_on_demand_outputs_equal_the_resident_ones_bit_for_bit(mode: str, requir
     assert all(torch.equal(a, b) for a, b in zip(layers.parameters(), reference.parameters(), strict=True))
 
 
-class _Recording(CpuRuntime):
-    """`CpuRuntime` whose on-demand copies are watched (weak references)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies: list[weakref.ref[torch.Tensor]] = []
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        out = super().to_device(host)
-        self.copies.append(weakref.ref(out))
-        return out
-
-
-def test_under_autocast_the_copies_are_freed_when_the_layer_returns() -> None:
+def test_under_autocast_the_copies_are_freed_when_the_layer_returns(monkeypatch: pytest.MonkeyPatch) -> None:
     # Autocast caches its casts of float32 leaves that require grad until its region ends:
     # with the cache on, every call's copies would stay alive for the whole region.
     layers = _layers(True)
-    runtime = _Recording()
+    runtime = CpuRuntime()
+    copies: list[weakref.ref[torch.Tensor]] = []
+    to_device = runtime.to_device
+
+    def watched(host: torch.Tensor) -> torch.Tensor:
+        out = to_device(host)
+        copies.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(runtime, "to_device", watched)
     off = create_offloader(cpu_on_demand_plan(layers), runtime)
     off.wrap_modules(list(layers))
     off.post_init()
@@ -118,7 +114,7 @@ def test_under_autocast_the_copies_are_freed_when_the_layer_returns() -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for layer in layers:
             x = layer(x)
-            assert runtime.copies and all(ref() is None for ref in runtime.copies)
+            assert copies and all(ref() is None for ref in copies)
         assert torch.is_autocast_cache_enabled()  # given back as it was
-    assert len(runtime.copies) == len(layers)
+    assert len(copies) == len(layers)
     off.restore()
