@@ -54,6 +54,15 @@ Note [realign]
     next step begins; nothing is prefetched meanwhile. Each realignment is counted and
     logged; inside a capture it is refused (the order must be the eager one).
 
+Note [cycles]
+    A model with several layer stacks (an encoder and a decoder, a vision tower and a
+    language model) has one schedule cycle per stack (`PrefetchSchedule.cycles`), each
+    with slots of its own. Each cycle keeps its own expected position and its own
+    realignment: a decoder that runs once per token while its encoder runs once per
+    request finds its copies in flight every time, whatever the other cycle did, and a
+    realignment in one cycle leaves the others prefetching. The step counted by `stats`
+    is a run of the first offloaded layer.
+
 Note [conversions]
     ``model.to(dtype)``, ``.half()``, ``.cuda()`` go through ``nn.Module._apply(fn)``. On a
     prefetched parameter that would convert its slot, which holds whichever layer last ran

@@ -44,12 +44,12 @@ class ForwardPath(CopyQueue):
                     self._wait_at(position, self._rt.is_capturing())
                 out = forward(*args, **kwargs)
                 with torch.profiler.record_function(f"offload.copy after layer {layer}"):
-                    if not self._recovering:
+                    if not (self._recovering and self._cycle_of[position] in self._recovering):
                         self._start_at(position, self._rt.is_capturing())
                 return out
             self._wait_at(position, self._rt.is_capturing())
             out = forward(*args, **kwargs)
-            if not self._recovering:
+            if not (self._recovering and self._cycle_of[position] in self._recovering):
                 self._start_at(position, self._rt.is_capturing())
             return out
 

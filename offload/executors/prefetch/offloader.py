@@ -198,7 +198,14 @@ class PrefetchOffloader(NewWeights):
         # stays loaded: no copy is issued for it again (`PrefetchSchedule.issued_after`).
         kept = plan.schedule.kept_positions
         self._kept = tuple(i in kept for i in range(len(plan.offloaded_layers)))
-        self._successor = tuple((i + 1) % len(plan.offloaded_layers) for i in range(len(plan.offloaded_layers)))
+        schedule = plan.schedule
+        self._successor = schedule.successor
+        self._cycle_of = schedule.cycle_of
+        self._cycle_ranges = schedule.cycle_ranges or ((0, 0),)
+        self._cycle_first = tuple(first for first, _ in self._cycle_ranges)
+        self._initial_of = tuple(tuple(i for i in schedule.initial if first <= i < stop)
+                                 for first, stop in self._cycle_ranges)
+        self._expected = list(self._cycle_first)
         self._next_after = plan.schedule.issued_after
         copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
         slot_params: dict[int, list[nn.Parameter]] = {}

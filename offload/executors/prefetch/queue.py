@@ -92,9 +92,10 @@ class CopyQueue(PrefetchState):
         # whose declared mutations of the slot tensors move it: see `offload.executors.ops`).
         if not (self._checks[position] if eager else self._checks_traced[position])():
             self._refuse_changed(position, eager)
-        expected = self._expected
-        self._expected = self._successor[position]
-        if position != expected or self._recovering:
+        cycle = self._cycle_of[position]  # its stack's cycle (Note [cycles])
+        expected = self._expected[cycle]
+        self._expected[cycle] = self._successor[position]
+        if position != expected or (self._recovering and cycle in self._recovering):
             self._realign(position, expected, capturing)
         entry = self._pending.pop(position, None)
         if entry is None:
@@ -149,17 +150,20 @@ class CopyQueue(PrefetchState):
         way, layers were skipped or run out of order or twice), or while realigning: put
         the schedule right so that the weights are correct, whatever the order (Note [realign]).
 
-        At the first position a new step begins: everything in flight is finished and the
-        step's first copies are issued as `post_init` does, and prefetching goes on. At any
-        other position the layer gets its own copy now (the compute stream waits for it),
-        and so does every later one until the next step begins; nothing is prefetched
-        meanwhile. Each realignment is counted (`stats().realignments`) and logged;
+        At the first position of its cycle a new step of the cycle begins: everything in
+        flight is finished and the cycle's first copies are issued as `post_init` does, and
+        prefetching goes on. At any other position the layer gets its own copy now (the
+        compute stream waits for it), and so does every later one of its cycle until the
+        cycle's next step begins; nothing is prefetched for that cycle meanwhile (other
+        cycles go on: Note [cycles]). Each realignment is counted (`stats().realignments`) and logged;
         refilling the slots after ``load_state_dict`` is not a realignment.
 
         Raises:
             ExecutionError: inside a CUDA graph capture (the order must be the eager one).
         """
         layers = self._plan.offloaded_layers
+        cycle = self._cycle_of[position]
+        first = self._cycle_first[cycle]
         # After load_state_dict wrote host copies (`_route_end`) every slot is refilled
         # the same way: that is not counted as a realignment.
         reloaded, self._reload_due = self._reload_due, False
@@ -172,27 +176,26 @@ class CopyQueue(PrefetchState):
             )
         if reloaded:
             log.debug("offloaded layer %d: slots refilled after load_state_dict", layers[position])
-        elif not self._recovering:
+        elif cycle not in self._recovering:
             self._realignments += 1
             log.info("offloaded layer %d ran %s: schedule realigned (%s)", layers[position],
                      "without a copy in flight" if position == expected else f"when layer {layers[expected]} was next",
-                     "new step" if position == 0 else "copies on demand until the next step")
+                     "new step" if position == first else "copies on demand until the next step")
         self._rt.synchronize()
-        if position == 0:
-            self._restart()
-            if 0 not in self._pending:  # not a prefetched position at step start: copy it now
-                self._issue(0, self._record(), in_capture=False)
+        if position == first:
+            self._restart(cycle)
+            if position not in self._pending:  # not a prefetched position at step start: copy it now
+                self._issue(position, self._record(), in_capture=False)
             return
-        self._pending.clear()
-        self._landed.clear()
-        self._recovering = True
+        self._forget(cycle)
+        self._recovering.add(cycle)
         self._issue(position, self._record(), in_capture=False)
 
     def start_after_layer(self, layer: int) -> None:
         """After `layer` ran: issue the copy the schedule names next (called by the op);
         nothing while the schedule is being realigned."""
         position = self._position(layer)
-        if position is not None and not self._recovering:
+        if position is not None and not (self._recovering and self._cycle_of[position] in self._recovering):
             self._start_at(position, self._rt.is_capturing())
 
     def _start_at(self, position: int, capturing: bool) -> None:
@@ -208,18 +211,31 @@ class CopyQueue(PrefetchState):
     def _refill(self) -> None:
         """The host copies changed: the next forward is a new step, whose first copies
         are issued now (call with nothing in flight)."""
-        self._expected = 0
+        self._expected = list(self._cycle_first)
         self._reload_due = False
         self._restart()
 
-    def _restart(self) -> None:
-        """Begin a step afresh, as post_init does: nothing pending or landed, the step's
-        first copies issued (call with nothing in flight)."""
-        self._pending.clear()
-        self._landed.clear()
-        self._recovering = False
-        for first in self._plan.schedule.initial:
-            self._issue(first, self._record(), in_capture=False)
+    def _restart(self, cycle: int | None = None) -> None:
+        """Begin a step of `cycle` (None: of every cycle) afresh, as post_init does: nothing
+        of it pending or landed, its first copies issued (call with nothing in flight)."""
+        cycles = range(len(self._cycle_first)) if cycle is None else (cycle,)
+        for c in cycles:
+            self._forget(c)
+            self._recovering.discard(c)
+            for first in self._initial_of[c]:
+                self._issue(first, self._record(), in_capture=False)
+
+    def _forget(self, cycle: int) -> None:
+        """Nothing of `cycle`'s positions in flight or landed any more (call with nothing in
+        flight)."""
+        first, stop = self._cycle_ranges[cycle]
+        if first == 0 and stop == len(self._cycle_of):
+            self._pending.clear()
+            self._landed.clear()
+            return
+        for position in range(first, stop):
+            self._pending.pop(position, None)
+            self._landed.discard(position)
 
     # ---- CUDA graphs ----------------------------------------------------------------
 
@@ -237,7 +253,7 @@ class CopyQueue(PrefetchState):
         # (a replay refills them before it ends). Refill them unless a whole step ended
         # here: a forward that stopped part way or realigned, or load_state_dict, left
         # other weights there.
-        if self._reload_due or self._recovering or self._expected != 0:
+        if self._reload_due or self._recovering or self._expected != list(self._cycle_first):
             self._rt.synchronize()
             self._refill()
         self._rt.synchronize()

@@ -87,11 +87,17 @@ class PrefetchState:
         self._next_after: tuple[int | None, ...] = ()  # the schedule's next_after, kept positions left out (post_init)
         self._kept: tuple[bool, ...] = ()  # position -> whether it is kept (the only owner of its slot; post_init)
         self._successor: tuple[int, ...] = ()  # position -> the position expected after it (post_init)
+        # The schedule's cycles, one per stack (Note [cycles]; post_init): position -> its
+        # cycle; per cycle, its first position, its (first, stop) and its initial copies.
+        self._cycle_of: tuple[int, ...] = ()
+        self._cycle_first: tuple[int, ...] = (0,)
+        self._cycle_ranges: tuple[tuple[int, int], ...] = ()
+        self._initial_of: tuple[tuple[int, ...], ...] = ()
         self._dropped = 0
-        # The schedule position expected next, and whether layers get their copy when
-        # they run until the next step begins (Note [realign]).
-        self._expected = 0
-        self._recovering = False
+        # Per cycle, the schedule position expected next; the cycles whose layers get their
+        # copy when they run until the cycle's next step begins (Note [realign]).
+        self._expected: list[int] = [0]
+        self._recovering: set[int] = set()
         self._realignments = 0
         self._copies_issued = 0
         self._bytes_copied = 0

@@ -149,7 +149,7 @@ class NewWeights(ForwardPath):
                     changed.add(position)
         self._compile_checks(sorted(changed))
         self._reload_due = True
-        self._expected = -1  # no position: the next one realigns, which refills the slots
+        self._expected = [-1] * len(self._cycle_first)  # no position: the next one realigns, refilling the slots
 
     def _reloaded(self) -> None:
         """After host copies were written: accept the parameters' version counters as

@@ -146,17 +146,18 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
                            prefetch_step=depth, param_filter=table.segments)
     rate = table.copy_rate
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
-    per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth)
+    per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
     return _candidate(table, config, busy=table.compute, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
                       copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
-                      positions=expanded.positions, schedule=_schedule(len(expanded.positions), depth))
+                      positions=expanded.positions,
+                      schedule=_schedule(len(expanded.positions), depth, expanded.cycles))
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(num_offloaded: int, depth: int) -> PrefetchSchedule:
+def _schedule(num_offloaded: int, depth: int, cycles: tuple[int, ...] = ()) -> PrefetchSchedule:
     """`schedule_prefetch`, remembered: the search asks for the same few many times."""
-    return schedule_prefetch(num_offloaded, depth)
+    return schedule_prefetch(num_offloaded, depth, cycles)
 
 
 def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int) -> tuple[FitCandidate | None, int]:

@@ -8,6 +8,10 @@ offloads, with a lower bound on its step and on its device bytes from prefix sum
 `Expanded` set spells out its schedule positions and buffer keys to cost each depth.
 Prefetch never offloads a storage tied across layers (`offload.pure.decide.selection`: one
 Parameter cannot point at two layers' buffers), so no layer set holds one; UVA may.
+
+A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
+with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
+and its schedule are worked out per cycle here too (`Expanded.cycles`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from offload.pure.decide.uva import decide_uva
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.fit.estimate import Workload, layer_compute_seconds
 from offload.pure.fit.profiles import DeviceProfile
+from offload.pure.plan.schedule import stack_cycles
 from offload.pure.spec.values import ModelSpec, ParamSpec
 
 __all__ = [
@@ -34,6 +39,7 @@ __all__ = [
     "Table",
     "buffer_bytes",
     "build_table",
+    "cycle_slots",
     "expand",
     "kept_bytes",
     "layer_sets",
@@ -79,6 +85,7 @@ class Table:
     segments: tuple[str, ...]
     reserve: int
     outside: int  # weights outside the layers, always resident, bytes
+    stack_ranges: tuple[tuple[int, int], ...] = ()  # the model's stacks, (first, stop) layers each
 
     @property
     def fixed_bytes(self) -> int:
@@ -100,6 +107,7 @@ class Expanded:
     copy_bytes: tuple[int, ...]  # per layer of the model
     kinds: tuple[tuple[int, ...], ...]  # position indices of each kind (same buffer keys)
     keys: tuple[tuple[int, tuple[int, ...]], ...]  # per buffer key: (slot bytes, kinds using it)
+    cycles: tuple[int, ...] = ()  # positions per schedule cycle (one per stack); (): one cycle
 
 
 def _key(param: ParamSpec) -> Key:
@@ -149,7 +157,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
-        segments=segments, reserve=reserve, outside=outside,
+        segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
     )
 
 
@@ -158,19 +166,36 @@ def _prefix_sums(values: Iterable[int]) -> list[int]:
     return list(itertools.accumulate(values, initial=0))
 
 
-def kept_bytes(copy_bytes: Sequence[int], positions: Sequence[int], depth: int) -> int:
+def kept_bytes(copy_bytes: Sequence[int], positions: Sequence[int], depth: int, cycles: Sequence[int] = ()) -> int:
     """Bytes of the positions alone in their slot at `depth`, which are loaded once and
     never copied per step: with ``n`` positions and ``s = min(depth, n)`` slots, positions
-    ``n - s .. s - 1`` (none unless ``n < 2s``; see `offload.pure.plan.schedule`).
+    ``n - s .. s - 1`` (none unless ``n < 2s``; see `offload.pure.plan.schedule`), in each
+    cycle.
 
     Args:
         copy_bytes: bytes copied for each layer of the model.
         positions: the offloaded layers, in order.
         depth: the prefetch depth (>= 1).
+        cycles: positions per cycle; empty: one cycle.
     """
-    n = len(positions)
-    s = min(depth, n)
-    return sum(copy_bytes[positions[i]] for i in range(n - s, s))
+    total = first = 0
+    for n in cycles or (len(positions),):
+        s = min(depth, n)
+        total += sum(copy_bytes[positions[first + i]] for i in range(n - s, s))
+        first += n
+    return total
+
+
+def cycle_slots(num_positions: int, depth: int, cycles: Sequence[int] = ()) -> list[int]:
+    """Each position's slot at `depth`, as `schedule_prefetch` numbers them: ``i mod s``
+    within each cycle, every cycle's slots after the previous cycle's."""
+    out: list[int] = []
+    base = 0
+    for n in cycles or (num_positions,):
+        s = min(depth, n)
+        out.extend(base + i % s for i in range(n))
+        base += s
+    return out
 
 
 def _most_kept(table: Table, intervals: tuple[tuple[int, int], ...], max_step: int, room: int) -> int:
@@ -186,6 +211,21 @@ def _most_kept(table: Table, intervals: tuple[tuple[int, int], ...], max_step: i
         if sums[s] <= room:
             return sums[s] - sums[n - s] if 2 * s > n else 0
     return 0
+
+
+def _most_kept_per_cycle(table: Table, intervals: tuple[tuple[int, int], ...], max_step: int) -> int:
+    """At most the bytes a layer set's cycles (one per stack) leave alone in a slot over the
+    depths 1 .. `max_step`: `kept_bytes` of each cycle at its deepest depth, which keeps the
+    most (the range ``n - s .. s - 1`` grows with ``s``)."""
+    positions = [i for a, b in intervals for i in range(a, b) if table.layer_has[i]]
+    total = 0
+    for first, stop in table.stack_ranges:
+        mine = [i for i in positions if first <= i < stop]
+        n = len(mine)
+        if n < 2 * max_step:
+            s = min(max_step, n)
+            total += sum(table.layer_bytes[mine[i]] for i in range(n - s, s))
+    return total
 
 
 def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
@@ -228,7 +268,11 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
                 continue  # offloads nothing: the same as backend none
             host = sum(prefix_bytes[b] - prefix_bytes[a] for a, b in intervals)
             copied = host
-            if count < 2 * max_step:
+            if len(table.stack_ranges) > 1:
+                # One cycle per stack, each of which may leave some alone in a slot: at most
+                # what the deepest depth leaves in each (a bound, as `_most_kept` gives).
+                copied -= _most_kept_per_cycle(table, intervals, max_step)
+            elif count < 2 * max_step:
                 # Few enough positions that a deep depth leaves some alone in a slot.
                 copied -= _most_kept(table, intervals, max_step, budget - table.resident_bytes + host - table.fixed_bytes)
             # At least one slot per key present; without an exact count, no buffers at all.
@@ -255,11 +299,17 @@ def expand(table: Table, layer_set: LayerSet) -> Expanded:
     return Expanded(layer_set=layer_set, positions=positions,
                     copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.layer_bytes)),
                     kinds=tuple(tuple(v) for v in kinds.values()),
-                    keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()))
+                    keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()),
+                    cycles=stack_cycles(positions, table.stack_ranges))
 
 
 def buffer_bytes(expanded: Expanded, depth: int) -> int:
-    """Static buffer bytes at `depth`: each key x the slots its positions use (``i mod depth``)."""
-    slots = [{index % depth for index in kind} for kind in expanded.kinds]
+    """Static buffer bytes at `depth`: each key x the slots its positions use (``i mod depth``,
+    per cycle: `cycle_slots`)."""
+    if expanded.cycles:
+        slot_of = cycle_slots(len(expanded.positions), depth, expanded.cycles)
+        slots = [{slot_of[index] for index in kind} for kind in expanded.kinds]
+    else:
+        slots = [{index % depth for index in kind} for kind in expanded.kinds]
     return sum(nbytes * len(slots[used[0]] if len(used) == 1 else set().union(*(slots[k] for k in used)))
                for nbytes, used in expanded.keys)

@@ -31,7 +31,7 @@ from offload.pure.plan.plan import (
     trusted_offload_plan,
     trusted_param_plan,
 )
-from offload.pure.plan.schedule import check_schedule, schedule_prefetch
+from offload.pure.plan.schedule import check_schedule, schedule_prefetch, stack_cycles
 from offload.pure.plan.warn import PlanFacts, plan_warnings
 from offload.pure.spec.values import ModelSpec, ParamSpec
 
@@ -100,7 +100,8 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
     chosen = selection.offloaded
 
     offloaded_layers = tuple(sorted(chosen)) if backend is Backend.PREFETCH else ()
-    schedule = schedule_prefetch(len(offloaded_layers), config.prefetch_step)
+    schedule = schedule_prefetch(len(offloaded_layers), config.prefetch_step,
+                                 stack_cycles(offloaded_layers, spec.stack_ranges))
     check_schedule(schedule)
     slot_of_layer = {index: schedule.slots[i] for i, index in enumerate(offloaded_layers)}
     tied_to: dict[Ref, Ref] = {

@@ -147,6 +147,12 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
             f"prefetch_step {c.prefetch_step}; {len(plan.offloaded_layers)} layers offloaded, "
             f"{plan.schedule.num_slots} slot{'' if plan.schedule.num_slots == 1 else 's'} per buffer key"
         )
+        if plan.schedule.cycles:
+            ranges = plan.schedule.cycle_ranges
+            lines.append("cycles:   " + "; ".join(
+                f"layers {plan.offloaded_layers[first]}-{plan.offloaded_layers[stop - 1]} "
+                f"({stop - first} offloaded, {len({plan.schedule.slots[i] for i in range(first, stop)})} slots)"
+                for first, stop in ranges) + ": one per stack, each prefetched on its own")
         copies = layer_copies(plan)
         if copies:
             whole = sum(1 for n in copies if n == 1)

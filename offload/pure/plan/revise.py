@@ -88,8 +88,14 @@ def revise_plan(plan: OffloadPlan, actual: Mapping[Ref, ParamSpec | None]) -> Of
     offloaded_layers = plan.offloaded_layers
     schedule = plan.schedule
     if schedule.num_positions:
+        cycle_of_layer = dict(zip(plan.offloaded_layers, schedule.cycle_of, strict=True))
         offloaded_layers = tuple(sorted({p.layer for p in kept if p.placement is Placement.PREFETCH}))
-        schedule = schedule_prefetch(len(offloaded_layers), plan.config.prefetch_step)
+        # The cycles as they were (one per stack), less the layers that left the plan.
+        counts = [sum(1 for layer in offloaded_layers if cycle_of_layer[layer] == c)
+                  for c in range(len(schedule.cycle_ranges))]
+        cycles = tuple(count for count in counts if count)
+        schedule = schedule_prefetch(len(offloaded_layers), plan.config.prefetch_step,
+                                     cycles if len(cycles) > 1 else ())
         slot_of_layer = dict(zip(offloaded_layers, schedule.slots, strict=True))
         kept = [
             attrs.evolve(p, slot=slot_of_layer[p.layer]) if p.placement is Placement.PREFETCH else p

@@ -19,6 +19,15 @@ again only when its host copy changes, which is the executor's business). A copy
 schedules written before this rule say ``next_after[k] = k`` for a lone owner, a copy of
 what its slot already holds, and they run and pass unchanged.
 
+Several stacks. A model with several layer stacks (an encoder and a decoder, a vision
+tower and a language model) runs each stack as its own cycle: its positions in order,
+again and again, as often as the model calls it, whatever the other stacks do meanwhile
+(a decoder runs once per generated token, its encoder once per request). The schedule
+then has one cycle per stack (``cycles``: positions per cycle, in execution order), each
+built by the rule above with slots of its own: no copy of one cycle lands in another's
+slot, and no position hands its slot to another cycle's position, so every cycle is
+hazard-free on its own and the interleaving of cycles cannot matter.
+
 The rule `check_schedule` proves, over the copies issued (every ``initial`` copy, then
 `issued_after`): a position may run when its slot holds its own data (copied, possibly in
 an earlier pass, and not overwritten since), never before; no copy overwrites a slot whose
@@ -35,7 +44,7 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import check_int_at_least, int_at_least
 
-__all__ = ["PrefetchSchedule", "check_schedule", "schedule_prefetch"]
+__all__ = ["PrefetchSchedule", "check_schedule", "schedule_prefetch", "stack_cycles"]
 
 
 def _int_tuple(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -62,19 +71,23 @@ class PrefetchSchedule:
     hazards is what `check_schedule` proves.
 
     Attributes:
-        num_slots: static buffer slots per parameter key.
+        num_slots: static buffer slots per parameter key (over every cycle).
         initial: positions copied once at start, in this order, before the first pass.
         slots: ``slots[i]`` is the slot position ``i`` is copied into and read from.
         next_after: ``next_after[i]`` is the position whose copy is issued right after
             position ``i``'s forward, or None for no copy (`schedule_prefetch` gives None
             after a kept position: its slot has no other owner to fill). A kept position
             named here is not copied (`issued_after`).
+        cycles: positions per cycle, in order (one cycle per stack: see the module
+            docstring); empty: one cycle of every position. Cycles use disjoint slots and
+            name only their own positions in `next_after`.
     """
 
     num_slots: int = attrs.field(validator=int_at_least(0, PlanError))
     initial: tuple[int, ...] = attrs.field(validator=_int_tuple)
     slots: tuple[int, ...] = attrs.field(validator=_int_tuple)
     next_after: tuple[int | None, ...] = attrs.field(validator=_next_tuple)
+    cycles: tuple[int, ...] = attrs.field(default=(), validator=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.slots)
@@ -96,11 +109,49 @@ class PrefetchSchedule:
             if not 0 <= target < n:
                 raise PlanError(f"initial copy of position {target} is not a position 0..{n - 1}",
                                 name="initial", value=target)
+        if not self.cycles:
+            return
+        if any(size < 1 for size in self.cycles) or sum(self.cycles) != n:
+            raise PlanError(f"cycles {self.cycles} do not divide the {n} positions into runs of one or more",
+                            name="cycles", value=self.cycles)
+        cycle_of = self.cycle_of
+        owner: dict[int, int] = {}
+        for i, slot in enumerate(self.slots):
+            if owner.setdefault(slot, cycle_of[i]) != cycle_of[i]:
+                raise PlanError(f"slot {slot} is used by cycles {owner[slot]} and {cycle_of[i]}: each cycle needs "
+                                "slots of its own", name="slots", value=slot)
+        for i, target in enumerate(self.next_after):
+            if target is not None and cycle_of[target] != cycle_of[i]:
+                raise PlanError(f"next_after[{i}] = {target} names a position of cycle {cycle_of[target]} after one "
+                                f"of cycle {cycle_of[i]}", name="next_after", value=target)
 
     @property
     def num_positions(self) -> int:
         """How many offloaded positions the schedule covers."""
         return len(self.slots)
+
+    @property
+    def cycle_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each cycle's positions as ``(first, stop)``, in order; one cycle of every position
+        when `cycles` is empty (none for an empty schedule)."""
+        sizes = self.cycles or ((self.num_positions,) if self.num_positions else ())
+        out: list[tuple[int, int]] = []
+        first = 0
+        for size in sizes:
+            out.append((first, first + size))
+            first += size
+        return tuple(out)
+
+    @property
+    def cycle_of(self) -> tuple[int, ...]:
+        """Position -> the number of its cycle."""
+        return tuple(c for c, (first, stop) in enumerate(self.cycle_ranges) for _ in range(first, stop))
+
+    @property
+    def successor(self) -> tuple[int, ...]:
+        """Position -> the position that runs after it in its cycle (the cycle's first after
+        its last)."""
+        return tuple(i + 1 if i + 1 < stop else first for first, stop in self.cycle_ranges for i in range(first, stop))
 
     @property
     def kept_positions(self) -> frozenset[int]:
@@ -127,13 +178,17 @@ class PrefetchSchedule:
         return tuple(None if target is not None and target in kept else target for target in self.next_after)
 
 
-def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedule:
+def schedule_prefetch(num_offloaded: int, prefetch_step: int, cycles: tuple[int, ...] = ()) -> PrefetchSchedule:
     """Build the per-chain cycling schedule.
 
     Args:
         num_offloaded: offloaded positions per pass (0 gives an empty schedule).
         prefetch_step: copies in flight ahead of compute; the slot count is
-            ``min(prefetch_step, num_offloaded)``.
+            ``min(prefetch_step, num_offloaded)``, per cycle.
+        cycles: positions per cycle (one per stack; see the module docstring), summing to
+            `num_offloaded`; each cycle is scheduled by the same rule with slots of its
+            own, numbered after the previous cycle's. Empty, or one cycle: one cycle of
+            every position (the schedule has ``cycles == ()``).
 
     Returns:
         A schedule that `check_schedule` accepts for every count and step. Its first
@@ -146,6 +201,8 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedul
     """
     check_int_at_least("num_offloaded", num_offloaded, 0, PlanError)
     check_int_at_least("prefetch_step", prefetch_step, 1, PlanError)
+    if len(cycles) > 1:
+        return _cycles(num_offloaded, prefetch_step, cycles)
     n = num_offloaded
     s = min(prefetch_step, n)
     slots = tuple(i % s for i in range(n)) if s else ()
@@ -158,11 +215,44 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int) -> PrefetchSchedul
     return PrefetchSchedule(num_slots=s, initial=tuple(range(s)), slots=slots, next_after=next_after)
 
 
+def stack_cycles(offloaded_layers: tuple[int, ...], stack_ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """The cycles of a schedule over `offloaded_layers` (ascending layer indices) in a model
+    whose stacks are `stack_ranges` (``(first, stop)`` layers each, `ModelSpec.stack_ranges`):
+    the offloaded layers of each stack, stacks with none left out; ``()`` (one cycle) when
+    they all lie in one stack."""
+    counts = [sum(1 for layer in offloaded_layers if first <= layer < stop) for first, stop in stack_ranges]
+    cycles = tuple(count for count in counts if count)
+    return cycles if len(cycles) > 1 else ()
+
+
+def _cycles(num_offloaded: int, prefetch_step: int, cycles: tuple[int, ...]) -> PrefetchSchedule:
+    """`schedule_prefetch` of several cycles: each by the one-cycle rule, its positions and
+    slots shifted past the previous cycles'."""
+    if any(size < 1 for size in cycles) or sum(cycles) != num_offloaded:
+        raise PlanError(f"cycles {cycles!r} must be runs of one or more positions summing to {num_offloaded}",
+                        name="cycles", value=cycles)
+    initial: list[int] = []
+    slots: list[int] = []
+    next_after: list[int | None] = []
+    first = base = 0
+    for size in cycles:
+        one = schedule_prefetch(size, prefetch_step)
+        initial.extend(first + i for i in one.initial)
+        slots.extend(base + slot for slot in one.slots)
+        next_after.extend(None if target is None else first + target for target in one.next_after)
+        first += size
+        base += one.num_slots
+    return PrefetchSchedule(num_slots=base, initial=tuple(initial), slots=tuple(slots), next_after=tuple(next_after),
+                            cycles=cycles)
+
+
 def check_schedule(schedule: PrefetchSchedule) -> None:
     """Prove that a schedule never reads a stale slot nor overwrites a live one.
 
     Simulates passes of the copies issued (``initial``, then `PrefetchSchedule.issued_after`)
-    until the state at the start of a pass repeats, which covers every later pass. A
+    until the state at the start of a pass repeats, which covers every later pass; each
+    cycle on its own (their slots are disjoint and their copies stay within them, which
+    the schedule's construction checks, so any interleaving of cycles is safe). A
     position may run when its slot holds its own data: copied (possibly in an earlier
     pass: a lone owner is loaded once, by ``initial``) and not overwritten since. A copy
     into a slot is refused while the slot's current occupant has been copied and not yet
@@ -174,8 +264,14 @@ def check_schedule(schedule: PrefetchSchedule) -> None:
     Raises:
         PlanError: naming the first hazard found (the pass, the position and the slot).
     """
-    n = schedule.num_positions
     issued_after = schedule.issued_after
+    for first, stop in schedule.cycle_ranges:
+        _check_cycle(schedule, issued_after, first, stop)
+
+
+def _check_cycle(schedule: PrefetchSchedule, issued_after: tuple[int | None, ...], first_position: int,
+                 stop: int) -> None:
+    """`check_schedule` of the cycle of positions ``first_position .. stop - 1``."""
     occupant: dict[int, int] = {}  # slot -> position whose data it holds
     # Positions copied for their next run and not run yet. A copy over one of them, or a
     # second copy of one of them, is a hazard.
@@ -201,7 +297,8 @@ def check_schedule(schedule: PrefetchSchedule) -> None:
         pending.add(target)
 
     for first in schedule.initial:
-        issue(first, "initial copies")
+        if first_position <= first < stop:
+            issue(first, "initial copies")
     seen_states: set[tuple[tuple[tuple[int, int], ...], frozenset[int]]] = set()
     pass_number = 0
     while True:
@@ -209,7 +306,7 @@ def check_schedule(schedule: PrefetchSchedule) -> None:
         if state in seen_states:
             return
         seen_states.add(state)
-        for position in range(n):
+        for position in range(first_position, stop):
             when = f"pass {pass_number}, after position {position}"
             slot = schedule.slots[position]
             holder = occupant.get(slot)

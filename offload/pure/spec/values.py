@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from offload.errors import PlanError
-from offload.pure._checks import int_at_least, is_str, non_empty_str, tuple_of, tuple_of_ints
+from offload.pure._checks import int_at_least, is_int, is_str, non_empty_str, tuple_of, tuple_of_ints
 from offload.pure._slots import slot_setters
 
 __all__ = [
@@ -275,15 +275,42 @@ def _unique_bytes(params: tuple[ParamSpec, ...]) -> int:
     return total
 
 
+def _stacks(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple) or not all(is_int(v) and v >= 1 for v in value):
+        raise PlanError(f"stacks must be a tuple of layer counts of 1 or more, got {value!r}",
+                        name="stacks", value=value)
+    if value and sum(value) != len(instance.layers):
+        raise PlanError(f"stacks {value} hold {sum(value)} layers, the model has {len(instance.layers)}",
+                        name="stacks", value=value)
+
+
 @attrs.frozen(kw_only=True)
 class ModelSpec:
     """The layers of a model, in execution order.
 
     Attributes:
         layers: one `LayerSpec` per layer; ``layers[i].index == i``.
+        stacks: layers per stack, when the model has several layer stacks that run
+            apart (an encoder and a decoder, a vision tower and a language model): the
+            stacks' layers lie one after the other in `layers`, in this order, and each
+            stack is scheduled as a cycle of its own (`offload.pure.plan.schedule`).
+            Empty: one stack of every layer.
     """
 
     layers: tuple[LayerSpec, ...] = attrs.field(validator=_layers)
+    stacks: tuple[int, ...] = attrs.field(default=(), validator=_stacks)
+
+    @property
+    def stack_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each stack's layers as ``(first, stop)``; one stack of every layer when `stacks`
+        is empty (none for a model without layers)."""
+        sizes = self.stacks or ((len(self.layers),) if self.layers else ())
+        out: list[tuple[int, int]] = []
+        first = 0
+        for size in sizes:
+            out.append((first, first + size))
+            first += size
+        return tuple(out)
 
     @property
     def num_params(self) -> int:
@@ -296,7 +323,7 @@ class ModelSpec:
         return _unique_bytes(tuple(p for layer in self.layers for p in layer.params))
 
 
-(_SET_LAYERS,) = slot_setters(ModelSpec, ("layers",))
+_SET_LAYERS, _SET_STACKS = slot_setters(ModelSpec, ("layers", "stacks"))
 
 
 def trusted_model_spec(layers: tuple[LayerSpec, ...]) -> ModelSpec:
@@ -304,4 +331,5 @@ def trusted_model_spec(layers: tuple[LayerSpec, ...]) -> ModelSpec:
     for the shell, which numbers `layers` 0, 1, 2, ... itself. See `trusted_param_spec`."""
     model = _NEW(ModelSpec)
     _SET_LAYERS(model, layers)
+    _SET_STACKS(model, ())
     return model
