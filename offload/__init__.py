@@ -1,7 +1,7 @@
 """`offload`: move PyTorch weights to host memory and stream them back just in time.
 
 The pipeline a user calls, in order: `capture_env` (the machine, once), `describe_layers`
-or `spec_from_checkpoint` (the model's shapes), `make_plan` (pure: every decision, an
+(`describe_stacks` for several layer stacks) or `spec_from_checkpoint` (the model's shapes), `make_plan` (pure: every decision, an
 `OffloadPlan` to read, test, diff and serialise; `render_plan` prints it; `fit` and
 `estimate` choose and cost a configuration), `create_offloader` (the executor that carries
 the plan out), then its lifecycle (`wrap_modules`, `post_init`, forwards, `restore`).
@@ -56,12 +56,13 @@ if TYPE_CHECKING:
     from offload.capture import capture_env
     from offload.create import create_offloader
     from offload.model.checkpoint import spec_from_checkpoint
-    from offload.model.describe import describe_layers
+    from offload.model.describe import describe_layers, describe_stacks
 
 # Shell names that import torch, loaded on first attribute access (PEP 562).
 _LAZY = {
     "capture_env": "offload.capture",
     "describe_layers": "offload.model.describe",
+    "describe_stacks": "offload.model.describe",
     "spec_from_checkpoint": "offload.model.checkpoint",
     "create_offloader": "offload.create",
 }
@@ -102,6 +103,7 @@ __all__ = [
     "decide_pinning",
     "decide_uva",
     "describe_layers",
+    "describe_stacks",
     "estimate",
     "fit",
     "make_plan",

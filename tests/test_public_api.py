@@ -24,7 +24,7 @@ def test_every_exported_name_resolves() -> None:
 #: and the roles (written out here, so that a name joins or leaves it on purpose; the
 #: names that left it are listed in CHANGELOG.md).
 TOP_LEVEL = {
-    "capture_env", "describe_layers", "spec_from_checkpoint", "make_plan", "render_plan", "fit", "estimate",
+    "capture_env", "describe_layers", "describe_stacks", "spec_from_checkpoint", "make_plan", "render_plan", "fit", "estimate",
     "create_offloader", "decide_pinning", "decide_uva", "decide_host_admission", "parse_env", "schedule_prefetch",
     "check_schedule", "render_stats", "render_check",
     "EnvFlags", "EnvSnapshot", "Platform", "OffloadConfig", "ParamSpec", "LayerSpec", "ModelSpec", "Workload",

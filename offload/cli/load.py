@@ -189,21 +189,29 @@ class _WarningLine(logging.Handler):
 
 
 def _outside_bytes(model: Any) -> int:
-    """Bytes of the tensors outside the layer stack (resident on the device), each storage once."""
-    from offload.hf.layers import find_layers
+    """Bytes of the tensors outside the layer stacks (resident on the device), each storage once."""
     from offload.hf.model import outside_tensors
     from offload.model.describe import storage_key
 
     seen: dict[object, int] = {}
-    for _, tensor in outside_tensors(model, list(find_layers(model, None))):
+    for _, tensor in outside_tensors(model, _layers(model)):
         seen.setdefault(storage_key(tensor) or id(tensor), tensor.numel() * tensor.element_size())
     return sum(seen.values())
+
+
+def _layers(model: Any) -> list[Any]:
+    """The layers `offload_pretrained` offloaded: every stack's, in order (`find_stacks`)."""
+    from offload.hf.layers import find_stacks
+
+    return [layer for stack in find_stacks(model) for layer in stack]
 
 
 def _plan_summary(plan: OffloadPlan, outside_bytes: int) -> str:
     """One line: backend, layers offloaded, device and host bytes."""
     layers = len({p.layer for p in plan.params if p.offloaded})
-    return (f"{plan.backend.value}, {layers} of {plan.num_layers} layers offloaded; device "
+    cycles = len(plan.schedule.cycles)
+    stacks = f" in {cycles} stacks, each prefetched on its own" if cycles else ""
+    return (f"{plan.backend.value}, {layers} of {plan.num_layers} layers offloaded{stacks}; device "
             f"{format_bytes(plan.device_bytes_resident)} resident + {format_bytes(plan.device_bytes_buffers)} "
             f"buffers + {format_bytes(outside_bytes)} outside the layers; host {format_bytes(plan.host_bytes)}")
 
@@ -221,9 +229,7 @@ def _restore_and_check(model: Any, offloader: Any) -> int:
     bit; every parameter must be off the meta device. Returns the exit status."""
     import torch
 
-    from offload.hf.layers import find_layers
-
-    layers = list(find_layers(model, None))
+    layers = _layers(model)
     hit = sorted({p.layer for p in offloader.plan.params if p.offloaded})
     chosen = list(dict.fromkeys(hit[:1] + hit[-1:]))
 

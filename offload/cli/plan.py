@@ -31,6 +31,7 @@ from offload.pure.plan.make import make_plan
 from offload.pure.plan.render import render_plan
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.spec.safetensors import printable
+from offload.pure.spec.stacks import match_stack_order
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
@@ -79,8 +80,11 @@ def _source(name: str, *, counted: str) -> _Source:
     if os.path.exists(name):
         from offload.model.checkpoint import read_checkpoint
 
-        buffer_names, buffer_source = _buffers(name)
+        buffer_names, buffer_source, running = _buffers(name)
         result = read_checkpoint(name, buffers=buffer_names or frozenset())
+        order = match_stack_order([(s.name, s.num_layers) for s in result.stacks], running)
+        if order and list(order) != [s.name for s in result.stacks][:len(order)]:
+            result = read_checkpoint(name, buffers=buffer_names or frozenset(), order=order)  # as they run
         details = [
             f"stack:    {printable(stack.name)}: {count_of(stack.num_layers, 'layer')} (plan layers "
             f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"
@@ -110,16 +114,16 @@ def _source(name: str, *, counted: str) -> _Source:
     )
 
 
-def _buffers(name: str) -> tuple[frozenset[str] | None, str]:
-    """The persistent buffers of the checkpoint's model class and the class (see
-    `offload.hf.checkpoint_buffers`), or None and why they are not known (torch missing
-    included: this module does not import it otherwise)."""
+def _buffers(name: str) -> tuple[frozenset[str] | None, str, tuple[tuple[str, int], ...]]:
+    """The persistent buffers of the checkpoint's model class, the class, and its stacks in
+    the order they run (see `offload.hf.checkpoint_buffers`), or None and why they are not
+    known (torch missing included: this module does not import it otherwise)."""
     try:
         from offload.hf.buffers import checkpoint_buffers
     except ImportError as exc:
-        return None, f"torch is needed to build the model class ({exc})"
+        return None, f"torch is needed to build the model class ({exc})", ()
     known = checkpoint_buffers(name)
-    return known.names, known.source
+    return known.names, known.source, known.stacks
 
 
 def _print_model(source: _Source) -> None:

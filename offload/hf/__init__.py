@@ -1,8 +1,9 @@
 """Hugging Face integration: a `transformers` model offloaded in one call.
 
-- `find_layers(model)`: the model's layer stack, found by structure.
-- `offload_model(model, ...)`: plan (a config, or `fit` for a device budget), wrap,
-  `post_init`; the weights outside the layers go to the device.
+- `find_stacks(model)`: the model's layer stacks (an encoder and a decoder, a vision
+  tower and a language model), found by structure; `find_layers(model)`: one of them.
+- `offload_model(model, ...)`: plan every stack against one budget (a config, or `fit`
+  for a device budget), wrap, `post_init`; the weights outside the layers go to the device.
 - `offload_pretrained(path, ...)`: a local checkpoint loaded into host memory by
   `transformers` and offloaded, never materialised whole on the device.
 - `checkpoint_buffers(path)`: which tensors of a checkpoint the model holds as buffers
@@ -14,7 +15,7 @@ needs `transformers` (``pip install 'offload[hf]'``), imported when it is called
 """
 
 from offload.hf.buffers import BufferNames, checkpoint_buffers
-from offload.hf.layers import StackCandidate, find_layers, layer_stacks
+from offload.hf.layers import StackCandidate, find_layers, find_stacks, layer_stacks
 from offload.hf.model import ModelOffloader, offload_model, plan_model
 from offload.hf.pretrained import load_on_host, offload_pretrained
 
@@ -24,6 +25,7 @@ __all__ = [
     "StackCandidate",
     "checkpoint_buffers",
     "find_layers",
+    "find_stacks",
     "layer_stacks",
     "load_on_host",
     "offload_model",

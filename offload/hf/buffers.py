@@ -5,7 +5,9 @@ A safetensors file does not say which of its tensors are buffers (DeepSeek-V3's
 ``mlp.gate.e_score_correction_bias``, a rotary table saved with the weights); a plan made
 from the headers alone would plan them as offloaded parameters, while the live model keeps
 buffers on the device. The class `config.json` names (`saved_class`) knows: it is built on
-the meta device (no memory, no weights read) and its persistent buffers are listed.
+the meta device (no memory, no weights read) and its persistent buffers are listed, and
+so are its layer stacks in the order they run (`find_stacks`), which a checkpoint's
+names do not tell (`offload.pure.spec.stacks.match_stack_order`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 import attrs
 import torch
 
-from offload.errors import CheckpointError
+from offload.errors import CheckpointError, PlanError
+from offload.hf.layers import find_stacks
 from offload.hf.pretrained import saved_class
 
 __all__ = ["BufferNames", "checkpoint_buffers"]
@@ -35,10 +38,13 @@ class BufferNames:
             None when the class could not be built.
         source: the class built (``DeepseekV3ForCausalLM``), or why none was (``no
             config.json beside the weights``, ``transformers is not installed``, ...).
+        stacks: its layer stacks as (module path, layers), in the order they run; empty
+            when the class could not be built.
     """
 
     names: frozenset[str] | None
     source: str
+    stacks: tuple[tuple[str, int], ...] = ()
 
 
 def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
@@ -77,8 +83,13 @@ def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
                                               f"({type(exc).__name__}: {exc})")
     saved = set(model.state_dict(keep_vars=True))
     names = frozenset(name for name, _ in model.named_buffers(remove_duplicate=False) if name in saved)
-    log.debug("%s (%s): %d persistent buffers", model_class.__name__, where, len(names))
-    return BufferNames(names=names, source=model_class.__name__)
+    paths = {id(module): path for path, module in model.named_modules()}
+    try:
+        stacks = tuple((paths[id(stack)], len(stack)) for stack in find_stacks(model))
+    except PlanError:
+        stacks = ()
+    log.debug("%s (%s): %d persistent buffers, stacks %s", model_class.__name__, where, len(names), stacks)
+    return BufferNames(names=names, source=model_class.__name__, stacks=stacks)
 
 
 def _on_meta(model_class: Any, root: Path) -> Any:

@@ -1,14 +1,20 @@
-"""`find_layers`: the repeated block stack of a model, found by its structure.
+"""`find_stacks` and `find_layers`: the repeated block stacks of a model, found by their
+structure.
 
-A model's layer stack is a `nn.ModuleList` of two or more blocks of one class, each
-holding parameters (``model.model.layers``, ``transformer.h``, ``encoder.layer``,
+A layer stack is a `nn.ModuleList` of two or more blocks of one class, each holding
+parameters (``model.model.layers``, ``transformer.h``, ``encoder.layer``,
 ``decoder.block``), not nested inside another such stack (MoE experts inside a layer are
 part of the layer). No table of attribute names is consulted, so new architectures work
-without a change here.
+without a change here. A model may have several (an encoder and a decoder, a vision tower
+and a language model, Flux's double and single blocks): `find_stacks` returns every one,
+in module order, which is the order they run in for the models we know of (an encoder
+is registered before its decoder, a vision tower before its language model);
+`find_layers` returns one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, TypeGuard
 
 from torch import nn
@@ -16,7 +22,7 @@ from torch import nn
 from offload.errors import PlanError
 from offload.pure.units import format_bytes
 
-__all__ = ["StackCandidate", "find_layers", "layer_stacks"]
+__all__ = ["StackCandidate", "find_layers", "find_stacks", "layer_stacks"]
 
 #: A stack is chosen when it holds more than this share of the parameter bytes of all
 #: candidate stacks (the decoder of an encoder-decoder model holds the cross-attention too).
@@ -102,3 +108,43 @@ def find_layers(model: nn.Module, path: str | None = None) -> nn.ModuleList:
                       for c in stacks)
     raise PlanError(f"several layer stacks and none holds most of the weights: {names}; pass path= to choose",
                     name="layers", value=tuple(c.path for c in stacks))
+
+
+def find_stacks(model: nn.Module, paths: str | Sequence[str] | None = None) -> list[nn.ModuleList]:
+    """Every layer stack of the model, each planned as a cycle of its own
+    (`offload.describe_stacks`), in the order they run.
+
+    Args:
+        model: any `nn.Module`, typically a `transformers` or `diffusers` model.
+        paths: the dotted paths of the stacks to offload (``"model.encoder.layers"``, or
+            several, in the order they run); None: every stack found by structure
+            (`layer_stacks`), in module order.
+
+    Returns:
+        The stacks.
+
+    Raises:
+        PlanError: no stack; a path that names no non-empty `nn.ModuleList`; a stack inside
+            another, or a layer in two stacks.
+    """
+    if paths is None:
+        stacks = [c.layers for c in layer_stacks(model)]
+        if not stacks:
+            raise PlanError(
+                f"no layer stack found in {type(model).__name__}: no nn.ModuleList of two or more blocks of one "
+                "class holding parameters; pass layers_path= to name one",
+                name="layers", value=type(model).__name__,
+            )
+        return stacks
+    names = [paths] if isinstance(paths, str) else list(paths)
+    if not names:
+        raise PlanError("layers_path names no stack", name="path", value=tuple(names))
+    stacks = [find_layers(model, name) for name in names]
+    seen: dict[int, str] = {}
+    for name, stack in zip(names, stacks, strict=True):
+        for module in stack.modules():
+            other = seen.setdefault(id(module), name)
+            if other != name:
+                raise PlanError(f"{name!r} and {other!r} overlap: each layer belongs to one stack", name="path",
+                                value=(other, name))
+    return stacks

@@ -1,5 +1,6 @@
 """`offload_model`: plan, wrap and prepare a whole model in one call; `ModelOffloader`
-runs the layer stack's executor and keeps everything outside it on the compute device.
+runs the executor of its layer stacks (every one, by default: `find_stacks`) and keeps
+everything outside them on the compute device.
 
 Everything outside the planned layer parameters (embeddings, the output head, the final
 norm, every buffer such as rotary tables) is resident: it is moved to the compute device
@@ -18,8 +19,8 @@ from torch import nn
 
 from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
-from offload.hf.layers import find_layers
-from offload.model.describe import describe_layers, storage_key
+from offload.hf.layers import find_stacks
+from offload.model.describe import describe_stacks, storage_key
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
@@ -266,7 +267,7 @@ def offload_model(
     reserve_bytes: int = 0,
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
-    layers_path: str | None = None,
+    layers_path: str | Sequence[str] | None = None,
 ) -> ModelOffloader:
     """Offload a loaded model in one call: find its layer stack, plan, wrap, `post_init`.
 
@@ -286,7 +287,9 @@ def offload_model(
         profile: with a budget: the device's rates (default: matched from the device's
             name, else `DEFAULT_PROFILE`).
         workload: with a budget: tokens per step for the time estimate (default 1).
-        layers_path: the dotted path of the layer stack, when `find_layers` cannot tell.
+        layers_path: the dotted path of the layer stack to offload, or the paths of
+            several in the order they run (default: every stack `find_stacks` finds,
+            each prefetched as a cycle of its own).
 
     Returns:
         The offloader, ready: the model runs offloaded; ``restore()`` gives it back.
@@ -299,18 +302,25 @@ def offload_model(
         from offload.capture import capture_env
 
         env = capture_env()
-    layers = list(find_layers(model, layers_path))
+    stacks = find_stacks(model, layers_path)
+    layers = [layer for stack in stacks for layer in stack]
     meta = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
     if meta is not None:
         raise PlanError(f"parameter {meta!r} is on the meta device: offload_model needs loaded weights (wrap "
                         "before loading with create_offloader(...).wrap_modules, or use offload_pretrained)",
                         name=meta, value="meta")
-    spec = describe_layers(layers)
+    spec = describe_stacks(stacks)
     rest = outside_tensors(model, layers)
     _refuse_ties_to_outside(spec, rest)
-    plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
-                      outside_bytes=_outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
-                      workload=workload)
+    try:
+        plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
+                          outside_bytes=_outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
+                          workload=workload)
+    except PlanError as exc:
+        if device_budget_bytes is None and config is not None:
+            raise
+        raise PlanError(f"{exc} (the model: {_stacks_text(model, stacks, spec)}, outside them "
+                        f"{format_bytes(_outside_bytes(rest))})", name=exc.name, value=exc.value) from exc
     from offload.create import create_offloader, default_runtime
 
     rt = runtime if runtime is not None else default_runtime(plan)
@@ -325,6 +335,16 @@ def offload_model(
         raise ExecutionError(f"post_init failed, model restored: {exc}", name="post_init",
                              value=type(exc).__name__) from exc
     return offloader
+
+
+def _stacks_text(model: nn.Module, stacks: Sequence[nn.ModuleList], spec: ModelSpec) -> str:
+    """``model.encoder.layers 4 layers 3.1 MiB; model.decoder.layers 4 layers 4.0 MiB``."""
+    paths = {id(module): name for name, module in model.named_modules()}
+    parts = []
+    for stack, (first, stop) in zip(stacks, spec.stack_ranges, strict=True):
+        nbytes = sum(layer.nbytes for layer in spec.layers[first:stop])
+        parts.append(f"{paths.get(id(stack), '?')} {stop - first} layers {format_bytes(nbytes)}")
+    return "; ".join(parts)
 
 
 def _refuse_ties_to_outside(spec: ModelSpec, rest: Sequence[tuple[Slot, Any]]) -> None:

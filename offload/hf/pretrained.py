@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -272,7 +272,7 @@ def offload_pretrained(
     reserve_bytes: int = 0,
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
-    layers_path: str | None = None,
+    layers_path: str | Sequence[str] | None = None,
     model_class: Any = None,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, ModelOffloader]:

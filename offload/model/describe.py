@@ -7,7 +7,7 @@ device memory and describing one on the meta device works the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from offload.pure.spec.values import (
     trusted_param_spec,
 )
 
-__all__ = ["describe_layers", "describe_tensor", "dtype_name", "storage_key"]
+__all__ = ["describe_layers", "describe_stacks", "describe_tensor", "dtype_name", "storage_key"]
 
 
 def storage_key(tensor: torch.Tensor) -> str | None:
@@ -288,3 +288,32 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
         # module's named_parameters() are unique.
         specs.append(trusted_layer_spec(index, type(layer).__name__, params))
     return trusted_model_spec(tuple(specs))
+
+
+def describe_stacks(stacks: Sequence[Iterable[nn.Module]]) -> ModelSpec:
+    """The `ModelSpec` of a model with several layer stacks (an encoder and a decoder, a
+    vision tower and a language model), in the order they run: their layers one after the
+    other, as `describe_layers` describes them (ties across stacks included), with
+    `ModelSpec.stacks` counting each stack's layers, so that each is prefetched as a cycle
+    of its own. Wrap the same concatenated layers (``[*stack_a, *stack_b]``).
+
+    Raises:
+        PlanError: no stack, an empty stack, or a layer in two stacks; as `describe_layers`.
+    """
+    given = [list(stack) for stack in stacks]
+    if not given or any(not stack for stack in given):
+        raise PlanError(f"describe_stacks takes one or more non-empty stacks of layers, got "
+                        f"{[len(stack) for stack in given]} layers per stack", name="stacks",
+                        value=tuple(len(stack) for stack in given))
+    layers = [layer for stack in given for layer in stack]
+    seen: dict[int, int] = {}
+    for number, stack in enumerate(given):
+        for layer in stack:
+            other = seen.setdefault(id(layer), number)
+            if other != number:
+                raise PlanError(f"a {type(layer).__name__} is in stacks {other} and {number}: a layer belongs to "
+                                "one stack", name="stacks", value=(other, number))
+    spec = describe_layers(layers)
+    if len(given) == 1:
+        return spec
+    return trusted_model_spec(spec.layers, tuple(len(stack) for stack in given))

@@ -108,6 +108,10 @@ def _admission_lines(plan: OffloadPlan) -> list[str]:
     return lines
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _loaded_once(plan: OffloadPlan, copies: Sequence[int]) -> str:
     """`` (+N loaded once: layer L has a slot of its own)`` for the layers alone in their
     slots, which are copied once at the start and not per step; "" when there are none."""
@@ -151,7 +155,7 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
             ranges = plan.schedule.cycle_ranges
             lines.append("cycles:   " + "; ".join(
                 f"layers {plan.offloaded_layers[first]}-{plan.offloaded_layers[stop - 1]} "
-                f"({stop - first} offloaded, {len({plan.schedule.slots[i] for i in range(first, stop)})} slots)"
+                f"({stop - first} offloaded, {_count(len({plan.schedule.slots[i] for i in range(first, stop)}), 'slot')})"
                 for first, stop in ranges) + ": one per stack, each prefetched on its own")
         copies = layer_copies(plan)
         if copies:

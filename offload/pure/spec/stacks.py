@@ -23,7 +23,7 @@ apart: they are not offloaded, and stay on the device.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -33,7 +33,7 @@ from offload.pure._checks import int_at_least, non_empty_str, tuple_of
 from offload.pure.spec.safetensors import TensorHeader, fail, printable, short_repr
 from offload.pure.spec.values import COMPUTE_DEVICE, LayerSpec, ModelSpec, ParamSpec, contiguous_stride
 
-__all__ = ["CheckpointSpec", "StackSpec", "spec_from_tensors"]
+__all__ = ["CheckpointSpec", "StackSpec", "match_stack_order", "spec_from_tensors"]
 
 _INDEX = re.compile(r"[0-9]+")
 
@@ -137,7 +137,8 @@ def _first_missing(indices: Iterable[int]) -> int | None:
     return next((expected for expected, index in enumerate(ordered) if index != expected), None)
 
 
-def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[str] = frozenset()) -> CheckpointSpec:
+def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[str] = frozenset(),
+                      order: Sequence[str] = ()) -> CheckpointSpec:
     """Group checkpoint tensors into stacks of layers, found by structure.
 
     The layer of a tensor is the prefix up to and including its first integer segment
@@ -156,10 +157,15 @@ def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[st
             class, e.g. built on meta: `offload.hf.checkpoint_buffers`): they are taken out
             before layers are found and returned apart; names the checkpoint lacks are
             ignored. Empty: every tensor in a layer is planned as a parameter.
+        order: stack names in the order the model runs them (`match_stack_order`): those
+            come first, in this order, then the others as below. Names that are no stack
+            are ignored.
 
     Returns:
         The `ModelSpec` (``LayerSpec.index`` 0..n-1 over all stacks, ``LayerSpec.name``
-        the prefix), its stacks, the tensors outside every layer, and the buffers.
+        the prefix; `ModelSpec.stacks` counting each stack's layers when there are several,
+        each then prefetched as a cycle of its own), its stacks, the tensors outside every
+        layer, and the buffers.
 
     Raises:
         CheckpointError: a tensor name appears twice; no tensor is in a layer (the message
@@ -207,6 +213,8 @@ def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[st
     if any(len(by_index) >= 2 for by_index in stacks.values()):
         for stack in [stack for stack, by_index in stacks.items() if len(by_index) == 1]:
             outside.extend(tensor for entries in stacks.pop(stack).values() for _, tensor in entries)
+    leading = [name for name in dict.fromkeys(order) if name in stacks]
+    stacks = {name: stacks[name] for name in [*leading, *(n for n in stacks if n not in leading)]}
     if not stacks:
         sample = tuple(t.name for t in ordered[:3])
         fail(f"no layers found: no tensor name among {len(ordered)} has a <stack>.<N>.<name> form with the "
@@ -224,5 +232,37 @@ def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[st
         found_stacks.append(StackSpec(name=stack, first_layer=first, num_layers=len(by_index),
                                       nbytes=sum(layer.nbytes for layer in layers[first:])))
     outside.sort(key=lambda t: t.name)
-    return CheckpointSpec(spec=ModelSpec(layers=tuple(layers)), outside_layers=tuple(outside),
-                          stacks=tuple(found_stacks), buffers=found_buffers)
+    counts = tuple(stack.num_layers for stack in found_stacks)
+    return CheckpointSpec(spec=ModelSpec(layers=tuple(layers), stacks=counts if len(counts) > 1 else ()),
+                          outside_layers=tuple(outside), stacks=tuple(found_stacks), buffers=found_buffers)
+
+
+def match_stack_order(found: Sequence[tuple[str, int]], running: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """The checkpoint's stacks (`found`: name and layers, as `spec_from_tensors` found them)
+    in the order the model runs its own (`running`: module path and layers, in order).
+
+    A checkpoint may name a stack otherwise than the model's modules do (transformers
+    saves Llava's ``model.language_model.layers`` as ``language_model.model.layers``), so a
+    stack matches a module stack of as many layers by, in turn: the same path; one path
+    ending with the other; the same dotted segments in another order. Each is matched once;
+    stacks left unmatched are left out (they follow the matched ones, in name order).
+    """
+    def segments(path: str) -> frozenset[str]:
+        return frozenset(path.split("."))
+
+    rules = (
+        lambda a, b: a == b,
+        lambda a, b: a.endswith("." + b) or b.endswith("." + a),
+        lambda a, b: segments(a) == segments(b),
+    )
+    matched: dict[int, str] = {}  # index in running -> checkpoint name
+    taken: set[str] = set()
+    for rule in rules:
+        for index, (path, layers) in enumerate(running):
+            if index in matched:
+                continue
+            hits = [name for name, count in found if name not in taken and count == layers and rule(name, path)]
+            if len(hits) == 1:
+                matched[index] = hits[0]
+                taken.add(hits[0])
+    return tuple(matched[index] for index in sorted(matched))

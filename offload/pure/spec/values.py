@@ -326,10 +326,11 @@ class ModelSpec:
 _SET_LAYERS, _SET_STACKS = slot_setters(ModelSpec, ("layers", "stacks"))
 
 
-def trusted_model_spec(layers: tuple[LayerSpec, ...]) -> ModelSpec:
-    """A `ModelSpec` equal to ``ModelSpec(layers=layers)``, built without checking it:
-    for the shell, which numbers `layers` 0, 1, 2, ... itself. See `trusted_param_spec`."""
+def trusted_model_spec(layers: tuple[LayerSpec, ...], stacks: tuple[int, ...] = ()) -> ModelSpec:
+    """A `ModelSpec` equal to ``ModelSpec(layers=layers, stacks=stacks)``, built without
+    checking it: for the shell, which numbers `layers` 0, 1, 2, ... itself and counts the
+    stacks from the layers it was given. See `trusted_param_spec`."""
     model = _NEW(ModelSpec)
     _SET_LAYERS(model, layers)
-    _SET_STACKS(model, ())
+    _SET_STACKS(model, stacks)
     return model
