@@ -43,6 +43,7 @@ import attrs
 
 from offload.errors import PlanError
 from offload.pure._checks import check_int_at_least, int_at_least
+from offload.pure.spec.values import runs
 
 __all__ = ["PrefetchSchedule", "check_schedule", "schedule_prefetch", "stack_cycles"]
 
@@ -134,13 +135,7 @@ class PrefetchSchedule:
     def cycle_ranges(self) -> tuple[tuple[int, int], ...]:
         """Each cycle's positions as ``(first, stop)``, in order; one cycle of every position
         when `cycles` is empty (none for an empty schedule)."""
-        sizes = self.cycles or ((self.num_positions,) if self.num_positions else ())
-        out: list[tuple[int, int]] = []
-        first = 0
-        for size in sizes:
-            out.append((first, first + size))
-            first += size
-        return tuple(out)
+        return runs(self.cycles, self.num_positions)
 
     @property
     def cycle_of(self) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ __all__ = [
     "ParamSpec",
     "contiguous_stride",
     "param_sizes",
+    "runs",
     "trusted_layer_spec",
     "trusted_model_spec",
     "trusted_param_spec",
@@ -275,6 +276,18 @@ def _unique_bytes(params: tuple[ParamSpec, ...]) -> int:
     return total
 
 
+def runs(sizes: tuple[int, ...], total: int) -> tuple[tuple[int, int], ...]:
+    """Consecutive runs of `sizes` items as ``(first, stop)`` each; one run of all `total`
+    items when `sizes` is empty (none when `total` is 0): `ModelSpec.stack_ranges`,
+    `PrefetchSchedule.cycle_ranges`."""
+    out: list[tuple[int, int]] = []
+    first = 0
+    for size in sizes or ((total,) if total else ()):
+        out.append((first, first + size))
+        first += size
+    return tuple(out)
+
+
 def _stacks(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, tuple) or not all(is_int(v) and v >= 1 for v in value):
         raise PlanError(f"stacks must be a tuple of layer counts of 1 or more, got {value!r}",
@@ -304,13 +317,7 @@ class ModelSpec:
     def stack_ranges(self) -> tuple[tuple[int, int], ...]:
         """Each stack's layers as ``(first, stop)``; one stack of every layer when `stacks`
         is empty (none for a model without layers)."""
-        sizes = self.stacks or ((len(self.layers),) if self.layers else ())
-        out: list[tuple[int, int]] = []
-        first = 0
-        for size in sizes:
-            out.append((first, first + size))
-            first += size
-        return tuple(out)
+        return runs(self.stacks, len(self.layers))
 
     @property
     def num_params(self) -> int:

@@ -331,8 +331,13 @@ def test_every_prefetch_candidate_is_what_its_plan_and_estimate_say(spec: ModelS
     are those of `make_plan` and `estimate`, layers loaded once included; and each layer
     set's bound is below the step of every depth searched that fits the budget, or
     pruning by it would be wrong."""
+    check_prefetch_candidates(spec, env, tokens, max_step, int(spec.nbytes * fraction))
+
+
+def check_prefetch_candidates(spec: ModelSpec, env: EnvSnapshot, tokens: int, max_step: int, budget: int) -> None:
+    """Each prefetch candidate's figures are its plan's and estimate's, and its layer set's
+    bound is below its step."""
     plan_env = planning_env(env, TOY)
-    budget = int(spec.nbytes * fraction)
     for config, candidate, bound in _prefetch_candidates(spec, env, tokens, max_step, budget):
         plan = make_plan(spec, config, plan_env)
         step = estimate(plan, TOY, Workload(tokens_per_step=tokens))

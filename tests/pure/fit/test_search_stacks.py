@@ -9,10 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import EnvFlags, EnvSnapshot, LayerSpec, ModelSpec, ParamSpec, PlanError, make_plan
-from offload.pure.fit.estimate import Workload, estimate
-from offload.pure.fit.profiles import planning_env
-from tests.pure.fit.test_search import ENVS, TOKENS, TOY, _prefetch_candidates, oracle, run
+from offload import EnvFlags, EnvSnapshot, LayerSpec, ModelSpec, ParamSpec, PlanError
+from tests.pure.fit.test_search import ENVS, TOKENS, check_prefetch_candidates, oracle, run
 
 #: UVA off, so that the link is slow enough for prefetch to win some budgets.
 NO_UVA = EnvSnapshot(flags=EnvFlags(disable_uva=True))
@@ -33,16 +31,7 @@ def stacked_specs(draw: st.DrawFn) -> ModelSpec:
 @given(spec=stacked_specs(), env=ENVS, tokens=TOKENS, max_step=st.integers(1, 6), fraction=st.floats(0.0, 1.2))
 def test_every_prefetch_candidate_of_a_stacked_model_is_what_its_plan_says(
         spec: ModelSpec, env: EnvSnapshot, tokens: int, max_step: int, fraction: float) -> None:
-    plan_env = planning_env(env, TOY)
-    budget = int(spec.nbytes * fraction)
-    for config, candidate, bound in _prefetch_candidates(spec, env, tokens, max_step, budget):
-        plan = make_plan(spec, config, plan_env)
-        step = estimate(plan, TOY, Workload(tokens_per_step=tokens))
-        assert candidate.step_seconds == pytest.approx(step.step_seconds, rel=1e-9)
-        assert candidate.limit_seconds == pytest.approx(step.limit_seconds, rel=1e-9)
-        assert candidate.buffer_bytes == plan.device_bytes_buffers
-        assert candidate.resident_bytes == plan.device_bytes_resident
-        assert bound <= step.step_seconds * (1 + 1e-9)
+    check_prefetch_candidates(spec, env, tokens, max_step, int(spec.nbytes * fraction))
 
 
 @settings(max_examples=30, deadline=None)
