@@ -34,7 +34,7 @@ from offload.pure.spec.values import ModelSpec
 from offload.pure.stats import OffloadStats
 from offload.pure.units import format_bytes
 
-__all__ = ["DEFAULT_PROFILE", "ModelOffloader", "offload_model", "outside_tensors", "plan_model"]
+__all__ = ["DEFAULT_PROFILE", "ModelOffloader", "offload_model", "offload_stacks", "outside_tensors", "plan_model"]
 
 log = logging.getLogger("offload.hf")
 
@@ -298,11 +298,29 @@ def offload_model(
         ConfigError, PlanError: see `plan_model` and `find_layers`; a model on meta.
         ExecutionError: a move failed; the model is left as it was.
     """
+    return offload_stacks(model, find_stacks(model, layers_path), config, device_budget_bytes=device_budget_bytes,
+                          env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload)
+
+
+def offload_stacks(
+    model: nn.Module,
+    stacks: Sequence[nn.ModuleList],
+    config: OffloadConfig | None = None,
+    *,
+    device_budget_bytes: int | None = None,
+    env: EnvSnapshot | None = None,
+    runtime: Runtime | None = None,
+    reserve_bytes: int = 0,
+    profile: DeviceProfile | None = None,
+    workload: Workload | None = None,
+) -> ModelOffloader:
+    """`offload_model` of the given stacks of `model` (found by the caller: `find_stacks`,
+    or every component's of a pipeline, `offload.diffusers.offload_pipeline`); the rest of
+    `model` goes to the device. Arguments and errors as `offload_model`'s."""
     if env is None:
         from offload.capture import capture_env
 
         env = capture_env()
-    stacks = find_stacks(model, layers_path)
     layers = [layer for stack in stacks for layer in stack]
     meta = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
     if meta is not None:

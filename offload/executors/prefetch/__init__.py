@@ -60,8 +60,10 @@ Note [cycles]
     with slots of its own. Each cycle keeps its own expected position and its own
     realignment: a decoder that runs once per token while its encoder runs once per
     request finds its copies in flight every time, whatever the other cycle did, and a
-    realignment in one cycle leaves the others prefetching. The step counted by `stats`
-    is a run of the first offloaded layer.
+    realignment in one cycle leaves the others prefetching; new weights refill only the
+    cycles whose host copies changed. A step (`stats().steps`, `log_stats_every`) is a
+    run of a stack: one per forward of a one-stack model, one per encoder run and one per
+    decoder token for an encoder and a decoder.
 
 Note [conversions]
     ``model.to(dtype)``, ``.half()``, ``.cuda()`` go through ``nn.Module._apply(fn)``. On a

@@ -170,7 +170,7 @@ class PrefetchOffloader(NewWeights):
         self._load_hooks = []
         self._held = {}
         self._entries_of = {}
-        self._reload_due = False
+        self._reload_due = set()
         self._buffers.clear()
         self._copies = []
         self._bound = []

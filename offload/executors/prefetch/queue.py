@@ -81,7 +81,8 @@ class CopyQueue(PrefetchState):
     def _wait_at(self, position: int, capturing: bool, eager: bool = True) -> None:
         """`wait_layer` of the layer at schedule `position`, `capturing` as the runtime
         says; `eager`: the layer is called directly, not through the custom ops."""
-        if position == 0:
+        cycle = self._cycle_of[position]  # its stack's cycle (Note [cycles])
+        if position == self._cycle_first[cycle]:  # a run of a stack begins: a step
             if self._step_log.active and self._steps:
                 self._step_log.step(self._steps, self.stats)  # the steps finished so far, their copies counted
             self._steps += 1
@@ -92,7 +93,6 @@ class CopyQueue(PrefetchState):
         # whose declared mutations of the slot tensors move it: see `offload.executors.ops`).
         if not (self._checks[position] if eager else self._checks_traced[position])():
             self._refuse_changed(position, eager)
-        cycle = self._cycle_of[position]  # its stack's cycle (Note [cycles])
         expected = self._expected[cycle]
         self._expected[cycle] = self._successor[position]
         if position != expected or (self._recovering and cycle in self._recovering):
@@ -166,12 +166,14 @@ class CopyQueue(PrefetchState):
         first = self._cycle_first[cycle]
         # After load_state_dict wrote host copies (`_route_end`) every slot is refilled
         # the same way: that is not counted as a realignment.
-        reloaded, self._reload_due = self._reload_due, False
+        reloaded = cycle in self._reload_due
+        self._reload_due.discard(cycle)
         if capturing:
             raise ExecutionError(
                 f"offloaded layer {layers[position]} ran out of order inside a CUDA graph capture (layer "
-                f"{layers[expected if expected >= 0 else 0]} was next, or weights were loaded and sync_prev_onload "
-                "was not called before the capture): capture a forward that runs every offloaded layer once, in order",
+                f"{layers[expected if expected >= 0 else first]} was next, or weights were loaded and sync_prev_onload "
+                "was not called before the capture): capture a forward that runs each of its stacks' offloaded "
+                "layers once, in order",
                 name="position", value=position,
             )
         if reloaded:
@@ -179,7 +181,8 @@ class CopyQueue(PrefetchState):
         elif cycle not in self._recovering:
             self._realignments += 1
             log.info("offloaded layer %d ran %s: schedule realigned (%s)", layers[position],
-                     "without a copy in flight" if position == expected else f"when layer {layers[expected]} was next",
+                     "without a copy in flight" if position == expected else
+                     f"when layer {layers[expected if expected >= 0 else first]} was next",
                      "new step" if position == first else "copies on demand until the next step")
         self._rt.synchronize()
         if position == first:
@@ -212,7 +215,7 @@ class CopyQueue(PrefetchState):
         """The host copies changed: the next forward is a new step, whose first copies
         are issued now (call with nothing in flight)."""
         self._expected = list(self._cycle_first)
-        self._reload_due = False
+        self._reload_due.clear()
         self._restart()
 
     def _restart(self, cycle: int | None = None) -> None:

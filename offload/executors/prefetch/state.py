@@ -73,7 +73,7 @@ class PrefetchState:
         self._held: dict[int, tuple[nn.Module, list[tuple[str, nn.Parameter, Ref, torch.Tensor]]]] = {}
         self._entries_of: dict[int, list[tuple[int, int]]] = {}
         self._load_hooks: list[Any] = []  # load_state_dict hook handles (post_init)
-        self._reload_due = False  # host copies were written by load_state_dict: slots to refill
+        self._reload_due: set[int] = set()  # cycles whose host copies load_state_dict wrote: slots to refill
         self._apply_patched: list[tuple[nn.Module, Callable[..., Any] | None]] = []  # holder -> previous _apply
         self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
         self._slot_params: dict[int, tuple[nn.Parameter, ...]] = {}  # layer -> its slot parameters (post_init)

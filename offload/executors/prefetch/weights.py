@@ -148,8 +148,11 @@ class NewWeights(ForwardPath):
                     self._bound[position][index] = (params, name, param, pointer, param._version)
                     changed.add(position)
         self._compile_checks(sorted(changed))
-        self._reload_due = True
-        self._expected = [-1] * len(self._cycle_first)  # no position: the next one realigns, refilling the slots
+        # The cycles whose host copies changed: their next position realigns, refilling
+        # their slots (not a realignment: Note [new weights]); the others go on.
+        for cycle in {self._cycle_of[position] for position in changed}:
+            self._reload_due.add(cycle)
+            self._expected[cycle] = -1
 
     def _reloaded(self) -> None:
         """After host copies were written: accept the parameters' version counters as

@@ -196,7 +196,7 @@ def schedule_prefetch(num_offloaded: int, prefetch_step: int, cycles: tuple[int,
     """
     check_int_at_least("num_offloaded", num_offloaded, 0, PlanError)
     check_int_at_least("prefetch_step", prefetch_step, 1, PlanError)
-    if len(cycles) > 1:
+    if len(cycles) > 1 or (cycles and cycles != (num_offloaded,)):
         return _cycles(num_offloaded, prefetch_step, cycles)
     n = num_offloaded
     s = min(prefetch_step, n)

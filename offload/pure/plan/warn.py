@@ -213,7 +213,10 @@ def _admission_warnings(f: PlanFacts) -> list[PlanWarning]:
 def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:
     out: list[PlanWarning] = []
     step = f.config.prefetch_step
-    run = longest_cyclic_run(f.offloaded_layers, len(f.spec.layers))
+    # Per stack: each is a cycle of its own (`offload.pure.plan.schedule`).
+    ranges = f.spec.stack_ranges
+    run = max((longest_cyclic_run(tuple(i - first for i in f.offloaded_layers if first <= i < stop), stop - first)
+               for first, stop in ranges), default=0)
     if run > step:
         out.append(_w(
             WarningCode.PREFETCH_STALLS,
@@ -221,7 +224,8 @@ def _prefetch_warnings(f: PlanFacts) -> list[PlanWarning]:
             "those layers cannot all overlap compute; unless the step is bound by the link "
             f"anyway, use prefetch_step >= {run} or offload fewer adjacent layers",
         ))
-    if len(f.offloaded_layers) <= step:
+    if f.offloaded_layers and all(sum(1 for i in f.offloaded_layers if first <= i < stop) <= step
+                                  for first, stop in ranges):
         out.append(_w(
             WarningCode.PREFETCH_DEPTH_COVERS_ALL,
             f"prefetch_step {step} gives a slot to every one of the {len(f.offloaded_layers)} "

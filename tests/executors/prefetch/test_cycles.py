@@ -132,3 +132,33 @@ def test_a_realignment_in_one_stack_leaves_the_other_prefetching(config: Offload
     # Counted once: the decoder's next whole run began its new step while realigning, and
     # the encoder, prefetched all along, did not realign.
     assert off.stats().realignments == 1
+
+
+def test_a_step_is_a_run_of_a_stack() -> None:
+    (encoder, decoder), _, off, _ = _ready(OffloadConfig(group_size=1, prefetch_step=2))
+    x = _run(encoder, next(inputs(seed=1)))
+    for _token in range(4):
+        x = _run(decoder, x)
+    assert off.stats().steps == 1 + 4
+
+
+def test_new_weights_for_one_stack_refill_only_its_cycle_and_are_no_realignment() -> None:
+    (encoder, decoder), (ref_encoder, ref_decoder), off, runtime = _ready(OffloadConfig(group_size=1, prefetch_step=2))
+    x = next(inputs(seed=6))
+    memory = _run(encoder, x)
+    _run(decoder, memory)
+    torch.manual_seed(9)
+    new = {k: torch.randn_like(v) for k, v in ref_decoder.state_dict().items()}
+    ref_decoder.load_state_dict(new)
+    decoder.load_state_dict(new)  # routed into the host copies
+    before = len([e for e in runtime.log if isinstance(e, Copy)])
+    assert torch.equal(_run(encoder, x), _run(ref_encoder, x))
+    encoder_copies = len([e for e in runtime.log if isinstance(e, Copy)]) - before
+    assert torch.equal(_run(decoder, memory), _run(ref_decoder, _run(ref_encoder, x)))
+    assert off.stats().realignments == 0
+    # The encoder's run copied what a run copies, no refill of its unchanged weights on top.
+    plan = off.plan
+    per_run = sum(1 for p in plan.offloaded_params if p.layer < ENCODER and p.tied_to is None)
+    kept = sum(1 for p in plan.offloaded_params if p.layer < ENCODER and p.tied_to is None
+               and plan.offloaded_layers.index(p.layer) in plan.schedule.kept_positions)
+    assert encoder_copies == per_run - kept

@@ -7,7 +7,17 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from offload import EnvSnapshot, ModelSpec, OffloadConfig, OffloadPlan, PlanError, make_plan, render_plan
+from offload import (
+    EnvSnapshot,
+    ModelSpec,
+    OffloadConfig,
+    OffloadPlan,
+    PlanError,
+    WarningCode,
+    make_plan,
+    render_plan,
+    schedule_prefetch,
+)
 from offload.pure.plan.revise import revise_plan
 from tests.pure.plan.test_revise import GPU, spec
 
@@ -78,3 +88,17 @@ def test_a_plan_without_cycles_reads_as_before() -> None:
     text = plan.to_json().replace(', "cycles": []', "")
     assert '"cycles"' not in text
     assert OffloadPlan.from_json(text) == plan
+
+
+def test_the_prefetch_warnings_look_at_each_stack() -> None:
+    config = OffloadConfig(group_size=1, prefetch_step=3)
+    stalls = [w.message for w in make_plan(stacked(3, 4), config, GPU).warnings if w.code is WarningCode.PREFETCH_STALLS]
+    assert len(stalls) == 1 and stalls[0].startswith("4 consecutive layers")  # the decoder's, not all 7
+    covered = make_plan(stacked(3, 3), config, GPU)
+    assert WarningCode.PREFETCH_DEPTH_COVERS_ALL in {w.code for w in covered.warnings}  # each stack keeps its slots
+    assert WarningCode.PREFETCH_STALLS not in {w.code for w in covered.warnings}
+
+
+def test_a_cycle_that_is_not_the_positions_is_refused() -> None:
+    with pytest.raises(PlanError, match="cycles"):
+        schedule_prefetch(5, 2, (3,))
