@@ -102,11 +102,15 @@ def cmd_load(args: argparse.Namespace) -> int:
     if not env.platform.has_cuda:
         print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
     start = time.monotonic()
+    inputs = _forward_inputs(model, args.tokens, torch.device(plan.compute_device))
+    if inputs is None:
+        print(f"forward:  skipped: {type(model).__name__} takes neither token ids nor audio features (a diffusers "
+              "model takes latents): the weights were loaded and offloaded, and are checked on restore below")
+        print(f"stats:    {_stats_summary(offloader.stats())}")
+        return _restore_and_check(model, offloader)
     try:
-        ids = torch.randint(0, int(getattr(model.config, "vocab_size", 2)), (1, args.tokens),
-                            device=torch.device(plan.compute_device))
         with torch.inference_mode():
-            output = model(input_ids=ids)[0]
+            output = model(**inputs)[0]
     except Exception as exc:  # out of memory, a kernel refusing the input, a model that needs more than token ids
         offloader.restore()  # give the weights back before saying why
         if isinstance(exc, OffloadError) or (args.verbose >= 2 and not isinstance(exc, (RuntimeError, MemoryError))):
@@ -120,6 +124,32 @@ def cmd_load(args: argparse.Namespace) -> int:
           f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
     print(f"stats:    {_stats_summary(offloader.stats())}")
     return _restore_and_check(model, offloader)
+
+
+def _forward_inputs(model: Any, tokens: int, device: Any) -> dict[str, Any] | None:
+    """What the smoke forward hands `model`: `tokens` random token ids; for a model of audio
+    features and decoder ids (Whisper), random features and `tokens` decoder ids; None
+    for a model that takes neither (a diffusers model)."""
+    import inspect
+
+    import torch
+
+    config = getattr(model, "config", None)
+    try:
+        names = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = set()
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+    if "input_features" in names and "decoder_input_ids" in names and config is not None:
+        frames = 2 * int(getattr(config, "max_source_positions", 1500))
+        features = torch.randn(1, int(getattr(config, "num_mel_bins", 80)), frames, generator=generator)
+        dtype = next(iter(model.parameters())).dtype
+        return {"input_features": features.to(device=device, dtype=dtype), "decoder_input_ids": ids}
+    if "input_ids" in names:
+        return {"input_ids": ids}
+    return None
 
 
 def _model_class(name: str) -> Any:

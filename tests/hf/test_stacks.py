@@ -23,6 +23,7 @@ from offload.pure.fit.profiles import profile_by_name
 from tests.hf.checkpoints import VOCAB, build_llava, build_whisper
 
 PREFETCH = OffloadConfig(group_size=1, prefetch_step=1)
+BACKENDS = {"prefetch": PREFETCH, "on-demand": OffloadConfig(backend="uva", uva_max_bytes=1 << 40)}
 
 
 def build_flux() -> Any:
@@ -62,7 +63,10 @@ def _cycles_are_the_stacks(model: nn.Module, plan: OffloadPlan) -> None:
     sizes = [len(stack) for stack in find_stacks(model)]
     assert len(sizes) >= 2
     assert plan.num_layers == sum(sizes)
-    assert plan.schedule.cycles == tuple(sizes)  # every layer offloaded (group size 1): a cycle per stack
+    if plan.schedule.num_positions:
+        assert plan.schedule.cycles == tuple(sizes)  # every layer offloaded (group size 1): a cycle per stack
+    else:  # on demand: every layer of every stack copies its weights per call
+        assert {p.layer for p in plan.offloaded_params} == set(range(sum(sizes)))
 
 
 def test_find_stacks_finds_every_stack_in_the_order_they_run() -> None:
@@ -71,10 +75,11 @@ def test_find_stacks_finds_every_stack_in_the_order_they_run() -> None:
     assert _paths(build_flux()) == [("transformer_blocks", 2), ("single_transformer_blocks", 3)]
 
 
-def test_whisper_decodes_many_tokens_per_encoder_run_exactly_and_without_realigning() -> None:
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_whisper_decodes_many_tokens_per_encoder_run_exactly_and_without_realigning(backend: str) -> None:
     model = build_whisper()
     reference = copy.deepcopy(model)
-    off = offload_model(model, PREFETCH)
+    off = offload_model(model, BACKENDS[backend])
     _cycles_are_the_stacks(model, off.plan)
     features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
     run: Any = model
@@ -94,10 +99,11 @@ def test_whisper_decodes_many_tokens_per_encoder_run_exactly_and_without_realign
                                                   strict=True))
 
 
-def test_llava_generates_exactly_with_both_stacks_offloaded() -> None:
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_llava_generates_exactly_with_both_stacks_offloaded(backend: str) -> None:
     model = build_llava()
     reference = copy.deepcopy(model)
-    off = offload_model(model, PREFETCH)
+    off = offload_model(model, BACKENDS[backend])
     _cycles_are_the_stacks(model, off.plan)
     generator = torch.Generator().manual_seed(3)
     pixels = torch.randn(1, 3, 8, 8, generator=generator)
@@ -126,10 +132,11 @@ def _flux_inputs() -> dict[str, torch.Tensor]:
             "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(5, 3)}
 
 
-def test_flux_double_and_single_blocks_in_one_offloader() -> None:
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_flux_double_and_single_blocks_in_one_offloader(backend: str) -> None:
     model = build_flux()
     reference = copy.deepcopy(model)
-    off = offload_model(model, PREFETCH)
+    off = offload_model(model, BACKENDS[backend])
     _cycles_are_the_stacks(model, off.plan)
     with torch.inference_mode():
         for _step in range(3):  # denoising steps
