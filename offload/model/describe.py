@@ -8,6 +8,7 @@ device memory and describing one on the meta device works the same way.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -110,6 +111,36 @@ def _metadata(name: str, tensor: torch.Tensor, device: torch.device) -> _Metadat
 _Named = Iterable[tuple[str, torch.Tensor | None]]
 
 
+_PARAMETER, _TENSOR = nn.Parameter, torch.Tensor
+
+
+def _wrapper(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a wrapper subclass: its data live in inner tensors
+    (``__tensor_flatten__``), not in a storage of its own (a plain Python subclass of
+    Parameter keeps its storage and is offloaded as any other)."""
+    return callable(getattr(type(tensor), "__tensor_flatten__", None))
+
+
+def _refuse_subclass(layer_index: int, name: str, tensor: torch.Tensor) -> NoReturn:
+    """Refuse a parameter that is a wrapper tensor subclass (a quantised weight such as
+    torchao's ``Int8Tensor``, a ``DTensor``): its bytes live in inner tensors, and moving
+    it as one tensor would lose them."""
+    cls = type(tensor)
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    inner = ""
+    if callable(flatten):
+        try:
+            names = flatten()[0]
+            inner = f" whose data are the inner tensors {', '.join(map(repr, names))}"
+        except Exception:  # a subclass that cannot say: named by its type alone
+            inner = ""
+    raise PlanError(
+        f"layer {layer_index}: parameter {name!r} is a {cls.__module__}.{cls.__qualname__} (a tensor subclass"
+        f"{inner}); offload moves plain tensors only and cannot offload it yet: keep the layers holding such "
+        "weights out of the stack given to offload (or offload the model unquantised)",
+        name=name, value=f"{cls.__module__}.{cls.__qualname__}")
+
+
 def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, ...]:
     """`describe_tensor` of each named tensor (None ones skipped), with the metadata of a
     kind of parameter already seen taken from `memo`: what is left per parameter is its
@@ -126,6 +157,8 @@ def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, 
     for name, tensor in named:
         if tensor is None:
             continue
+        if type(tensor) is not _PARAMETER and type(tensor) is not _TENSOR and _wrapper(tensor):
+            _refuse_subclass(layer_index, name, tensor)
         if tensor.layout is not strided:  # layouts are singletons, equal only to themselves
             raise PlanError(
                 f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
