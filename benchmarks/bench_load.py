@@ -2,7 +2,10 @@
 
 Model: a random Llama-shaped checkpoint written with ``save_pretrained`` in several
 shards (``--size-gb``: 0.2 by default on the CPU, float32, width 768; 4 on CUDA,
-bfloat16, width 4096; the number of layers makes up the size), or ``--checkpoint DIR``.
+bfloat16, width 4096; the number of layers makes up the size), or with ``--model whisper``
+a random Whisper-shaped one (two stacks, an encoder and a decoder, both offloaded; the
+forward runs the encoder on random features and the decoder on 8 token ids), or
+``--checkpoint DIR``.
 
 Rows, in one run, each measured ``--reps`` times, each time in a fresh process (so that
 its peak host memory is its own):
@@ -87,6 +90,30 @@ def build_checkpoint(directory: Path, *, size_bytes: int, hidden: int, dtype: to
             f"{nbytes / GB:.2f} GB in {shards} shards")
 
 
+def build_whisper_checkpoint(directory: Path, *, size_bytes: int, hidden: int, dtype: torch.dtype) -> str:
+    """Write a random Whisper-shaped checkpoint of about `size_bytes` (as many encoder as
+    decoder layers); a one-line description."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    ffn = 4 * hidden
+    pair = (4 * hidden * hidden + 2 * hidden * ffn + 4 * hidden * hidden + 2 * hidden * ffn + 4 * hidden * hidden) * itemsize
+    layers = max(2, round(size_bytes / pair))
+    config = WhisperConfig(vocab_size=VOCAB, num_mel_bins=80, encoder_layers=layers, decoder_layers=layers,
+                           encoder_attention_heads=hidden // 64, decoder_attention_heads=hidden // 64,
+                           encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, d_model=hidden, max_source_positions=64,
+                           max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model: Any = WhisperForConditionalGeneration(config)
+    model = model.to(dtype)
+    nbytes: int = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(directory, max_shard_size=f"{max(1, nbytes // 4 // 1_000_000)}MB")
+    shards = len(list(directory.glob("*.safetensors")))
+    return (f"random Whisper-shaped, {layers} encoder and {layers} decoder layers, width {hidden}, "
+            f"{str(dtype).removeprefix('torch.')}, {nbytes / GB:.2f} GB in {shards} shards")
+
+
 def checkpoint_bytes(directory: Path) -> int:
     """The bytes of the checkpoint's tensors (headers read, no data)."""
     from offload.model.checkpoint import read_checkpoint
@@ -108,15 +135,14 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
     """Load `directory` as `mode` says, then one forward; the numbers of one row."""
     import transformers
     import transformers.modeling_utils  # noqa: F401  (imported before the clock: seconds of imports, not loading)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from offload import OffloadConfig
     from offload.hf import load_on_host, offload_pretrained
 
     cuda = torch.cuda.is_available()
-    # The model's own code, resolved (imported) through the auto class before the clock.
+    # The model's own code, resolved (imported) before the clock: the class config.json names.
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    getattr(transformers, config.architectures[0])
     configs = {
         "prefetch": OffloadConfig(backend="prefetch", group_size=2, num_in_group=1, prefetch_step=2),
         "uva": OffloadConfig(backend="uva", uva_max_bytes=max(1, _layers_bytes(directory) // 2)),
@@ -145,9 +171,15 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
     report["device_ready"] = torch.cuda.max_memory_allocated() if cuda else None
     device = next(model.parameters()).device if mode == "resident" else torch.device("cuda" if cuda else "cpu")
     ids = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+    if getattr(config, "model_type", "") == "whisper":  # features for the encoder, token ids for the decoder
+        features = torch.randn(1, config.num_mel_bins, 2 * config.max_source_positions,
+                               generator=torch.Generator().manual_seed(0))
+        inputs = {"input_features": features.to(device=device, dtype=next(model.parameters()).dtype),
+                  "decoder_input_ids": ids}
     start = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=ids)
+        model(**inputs)
     if cuda:
         torch.cuda.synchronize()
     report["forward_s"] = time.perf_counter() - start
@@ -186,6 +218,8 @@ def summarize(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--checkpoint", type=Path, help="measure this checkpoint directory instead of building one")
+    parser.add_argument("--model", choices=("llama", "whisper"), default="llama",
+                        help="the checkpoint to build: one stack (llama, default) or two (whisper)")
     parser.add_argument("--size-gb", type=float, help="size of the built checkpoint (default 0.2 on CPU, 4 on CUDA)")
     parser.add_argument("--reps", type=int, default=2, help="measurements per row, each a fresh process (default 2)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="rows (default all)")
@@ -207,10 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             directory = args.checkpoint
             described = "given"
         else:
-            directory = Path(scratch) / "llama"
+            directory = Path(scratch) / args.model
             size = args.size_gb if args.size_gb is not None else (4.0 if cuda else 0.2)
-            described = build_checkpoint(directory, size_bytes=round(size * GB), hidden=4096 if cuda else 768,
-                                         dtype=torch.bfloat16 if cuda else torch.float32)
+            build = build_whisper_checkpoint if args.model == "whisper" else build_checkpoint
+            described = build(directory, size_bytes=round(size * GB), hidden=4096 if cuda else 768,
+                              dtype=torch.bfloat16 if cuda else torch.float32)
         total = checkpoint_bytes(directory)
         where = f"CUDA {torch.cuda.get_device_name()}" if cuda else "CPU (no CUDA: the compute device is the host)"
         print(f"bench_load: {where}, torch {torch.__version__}, transformers {transformers.__version__}")
