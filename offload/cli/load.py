@@ -102,15 +102,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     if not env.platform.has_cuda:
         print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
     start = time.monotonic()
-    inputs = _forward_inputs(model, args.tokens, torch.device(plan.compute_device))
-    if inputs is None:
-        print(f"forward:  skipped: {type(model).__name__} takes neither token ids nor audio features (a diffusers "
-              "model takes latents): the weights were loaded and offloaded, and are checked on restore below")
-        print(f"stats:    {_stats_summary(offloader.stats())}")
-        return _restore_and_check(model, offloader)
     try:
-        with torch.inference_mode():
-            output = model(**inputs)[0]
+        inputs = _forward_inputs(model, args.tokens, torch.device(plan.compute_device))
+        if inputs is not None:
+            with torch.inference_mode():
+                output = model(**inputs)[0]
     except Exception as exc:  # out of memory, a kernel refusing the input, a model that needs more than token ids
         offloader.restore()  # give the weights back before saying why
         if isinstance(exc, OffloadError) or (args.verbose >= 2 and not isinstance(exc, (RuntimeError, MemoryError))):
@@ -120,6 +116,11 @@ def cmd_load(args: argparse.Namespace) -> int:
             f" ({type(model).__name__} may need other inputs than token ids; -vv for the traceback)")
         raise ExecutionError(f"the forward of {args.tokens} tokens failed: {type(exc).__name__}: "
                              f"{lines[0] if lines else ''}{needs}", name="tokens", value=args.tokens) from exc
+    if inputs is None:
+        print(f"forward:  skipped: {type(model).__name__} takes neither token ids nor audio features (a diffusers "
+              "model takes latents): the weights were loaded and offloaded, and are checked on restore below")
+        print(f"stats:    {_stats_summary(offloader.stats())}")
+        return _restore_and_check(model, offloader)
     print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
           f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
     print(f"stats:    {_stats_summary(offloader.stats())}")
