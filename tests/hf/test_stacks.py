@@ -220,3 +220,22 @@ def test_t5_generates_exactly_with_its_encoder_and_decoder_offloaded(backend: st
     assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
     assert off.stats().realignments == 0
     off.restore()
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_whisper_generate_is_exact_at_every_step(backend: str) -> None:
+    model = build_whisper()
+    reference = copy.deepcopy(model)
+    off = offload_model(model, BACKENDS[backend])
+    features = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
+
+    def generate(m: Any) -> Any:
+        with torch.inference_mode():
+            return m.generate(input_features=features, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True)
+
+    got, want = generate(model), generate(reference)
+    assert torch.equal(got.sequences, want.sequences) and len(got.scores) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    assert off.stats().realignments == 0
+    off.restore()
