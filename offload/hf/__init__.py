@@ -5,12 +5,14 @@
 - `offload_model(model, ...)`: plan every stack against one budget (a config, or `fit`
   for a device budget), wrap, `post_init`; the weights outside the layers go to the device.
 - `offload_pretrained(path, ...)`: a local checkpoint loaded into host memory by
-  `transformers` and offloaded, never materialised whole on the device.
+  `transformers` (or `diffusers`, for a diffusers model) as the class that was saved, and
+  offloaded, never materialised whole on the device.
 - `checkpoint_buffers(path)`: which tensors of a checkpoint the model holds as buffers
   (its class built on meta), so that a plan from the headers does not offload them.
 
-`find_layers` and `offload_model` work on any `nn.Module`; only `offload_pretrained`
-needs `transformers` (``pip install 'offload[hf]'``), imported when it is called.
+`find_stacks`, `find_layers` and `offload_model` work on any `nn.Module`; only
+`offload_pretrained` and `checkpoint_buffers` need `transformers` (``pip install
+'offload[hf]'``; `diffusers` for a diffusers checkpoint), imported when they are called.
 `import offload` never imports this package.
 """
 
