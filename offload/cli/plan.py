@@ -14,7 +14,7 @@ from offload.cli.parser import (
     DEFAULT_SOURCE,
     gib_bytes,
 )
-from offload.errors import ConfigError
+from offload.errors import ConfigError, PlanError
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot, Platform
 from offload.pure.fit.estimate import Workload, estimate
@@ -187,11 +187,17 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         # Planning for the profile's device from a machine without one: the budget is the
         # device memory the model may use there.
         env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
-    result = fit(
-        spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
-        outside_bytes=source.outside_bytes, reserve_bytes=gib_bytes(args.reserve_gib),
-        param_filter=tuple(args.filter),
-    )
+    try:
+        result = fit(
+            spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
+            outside_bytes=source.outside_bytes, reserve_bytes=gib_bytes(args.reserve_gib),
+            param_filter=tuple(args.filter),
+        )
+    except PlanError as exc:
+        if len(spec.stack_ranges) < 2:
+            raise
+        stacks = "; ".join(line.removeprefix("stack:").strip() for line in source.details if line.startswith("stack:"))
+        raise PlanError(f"{exc} (the model's stacks, all planned: {stacks})", name=exc.name, value=exc.value) from exc
     if args.json:
         print(result.to_json(indent=2))
         return 0

@@ -239,3 +239,14 @@ def test_whisper_generate_is_exact_at_every_step(backend: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
     assert off.stats().realignments == 0
     off.restore()
+
+
+def test_offload_plan_fit_that_fits_nothing_names_the_stacks(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    saver: Any = build_whisper()
+    saver.save_pretrained(tmp_path)
+    code = main(["plan", str(tmp_path), "--fit-gib", "0.000001", "--link-gbps", "25", "--tflops", "150"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "(the model's stacks, all planned: model.encoder.layers: 2 layers (plan layers 0-1)" in err
+    assert "; model.decoder.layers: 2 layers (plan layers 2-3)" in err
