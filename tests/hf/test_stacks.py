@@ -69,6 +69,19 @@ def _cycles_are_the_stacks(model: nn.Module, plan: OffloadPlan) -> None:
         assert {p.layer for p in plan.offloaded_params} == set(range(sum(sizes)))
 
 
+def _assert_same_generation(model: Any, reference: Any, steps: int, **inputs: Any) -> None:
+    """Greedy `generate` of `steps` tokens on both: the same tokens, and every step's logits
+    bit for bit."""
+    def generate(m: Any) -> Any:
+        with torch.inference_mode():
+            return m.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True)
+
+    got, want = generate(model), generate(reference)
+    assert torch.equal(got.sequences, want.sequences) and len(got.scores) == steps
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+
+
 def test_find_stacks_finds_every_stack_in_the_order_they_run() -> None:
     assert _paths(build_whisper()) == [("model.encoder.layers", 2), ("model.decoder.layers", 2)]
     assert _paths(build_llava()) == [("model.vision_tower.encoder.layers", 2), ("model.language_model.layers", 2)]
@@ -111,15 +124,8 @@ def test_llava_generates_exactly_with_both_stacks_offloaded(backend: str) -> Non
     ids = torch.cat([torch.full((1, image_tokens), VOCAB - 1), torch.randint(2, VOCAB - 1, (1, 3), generator=generator)],
                     dim=1)
 
-    def generate(m: Any) -> Any:
-        with torch.inference_mode():
-            return m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-                              max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
-                              output_scores=True, return_dict_in_generate=True)
-
-    got, want = generate(model), generate(reference)
-    assert torch.equal(got.sequences, want.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    _assert_same_generation(model, reference, 4, input_ids=ids, attention_mask=torch.ones_like(ids),
+                            pixel_values=pixels, pad_token_id=0)
     # The vision tower runs once per request, the language model once per token: no realignment.
     assert off.stats().realignments == 0
     off.restore()
@@ -210,14 +216,7 @@ def test_t5_generates_exactly_with_its_encoder_and_decoder_offloaded(backend: st
     _cycles_are_the_stacks(model, off.plan)
     ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
 
-    def generate(m: Any) -> Any:
-        with torch.inference_mode():
-            return m.generate(input_ids=ids, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                              output_scores=True, return_dict_in_generate=True)
-
-    got, want = generate(model), generate(reference)
-    assert torch.equal(got.sequences, want.sequences)
-    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    _assert_same_generation(model, reference, 5, input_ids=ids)
     assert off.stats().realignments == 0
     off.restore()
 
@@ -229,14 +228,7 @@ def test_whisper_generate_is_exact_at_every_step(backend: str) -> None:
     off = offload_model(model, BACKENDS[backend])
     features = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(0))
 
-    def generate(m: Any) -> Any:
-        with torch.inference_mode():
-            return m.generate(input_features=features, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                              output_scores=True, return_dict_in_generate=True)
-
-    got, want = generate(model), generate(reference)
-    assert torch.equal(got.sequences, want.sequences) and len(got.scores) == 4
-    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    _assert_same_generation(model, reference, 4, input_features=features)
     assert off.stats().realignments == 0
     off.restore()
 
