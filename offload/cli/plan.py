@@ -31,7 +31,6 @@ from offload.pure.plan.make import make_plan
 from offload.pure.plan.render import render_plan
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.spec.safetensors import printable
-from offload.pure.spec.stacks import match_stack_order
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
@@ -81,10 +80,7 @@ def _source(name: str, *, counted: str) -> _Source:
         from offload.model.checkpoint import read_checkpoint
 
         buffer_names, buffer_source, running = _buffers(name)
-        result = read_checkpoint(name, buffers=buffer_names or frozenset())
-        order = match_stack_order([(s.name, s.num_layers) for s in result.stacks], running)
-        if order and list(order) != [s.name for s in result.stacks][:len(order)]:
-            result = read_checkpoint(name, buffers=buffer_names or frozenset(), order=order)  # as they run
+        result = read_checkpoint(name, buffers=buffer_names or frozenset(), running=running)  # stacks as they run
         details = [
             f"stack:    {printable(stack.name)}: {count_of(stack.num_layers, 'layer')} (plan layers "
             f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"

@@ -228,7 +228,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = frozenset(),
-                    order: Sequence[str] = ()) -> CheckpointSpec:
+                    running: Sequence[tuple[str, int]] = ()) -> CheckpointSpec:
     """Read every header of a checkpoint and group its tensors into layers.
 
     Args:
@@ -237,7 +237,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = 
         buffers: names of the tensors the model holds as persistent buffers, kept out of
             the layers (`spec_from_tensors`; `offload.hf.checkpoint_buffers` finds them
             for a Hugging Face checkpoint).
-        order: stack names in the order the model runs them (`spec_from_tensors`).
+        running: the model's stacks, in the order it runs them (`spec_from_tensors`).
 
     Returns:
         The layers to plan with, the stacks they come from, and the tensors outside every
@@ -261,7 +261,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = 
             tensors.append(tensor)
     if index is not None and weight_map is not None:
         check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
-    result = spec_from_tensors(tensors, buffers=buffers, order=order)
+    result = spec_from_tensors(tensors, buffers=buffers, running=running)
     logger.debug("%s: %d files, %d layers, %d tensors outside layers, %d buffers (stacks: %s)",
                  _shown(os.fspath(path)), len(files), len(result.spec.layers), len(result.outside_layers),
                  len(result.buffers), ", ".join(stack.name for stack in result.stacks))

@@ -138,7 +138,7 @@ def _first_missing(indices: Iterable[int]) -> int | None:
 
 
 def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[str] = frozenset(),
-                      order: Sequence[str] = ()) -> CheckpointSpec:
+                      running: Sequence[tuple[str, int]] = ()) -> CheckpointSpec:
     """Group checkpoint tensors into stacks of layers, found by structure.
 
     The layer of a tensor is the prefix up to and including its first integer segment
@@ -157,9 +157,10 @@ def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[st
             class, e.g. built on meta: `offload.hf.checkpoint_buffers`): they are taken out
             before layers are found and returned apart; names the checkpoint lacks are
             ignored. Empty: every tensor in a layer is planned as a parameter.
-        order: stack names in the order the model runs them (`match_stack_order`): those
-            come first, in this order, then the others as below. Names that are no stack
-            are ignored.
+        running: the model's own stacks as (module path, layers), in the order it runs
+            them (`offload.hf.checkpoint_buffers` knows them): the checkpoint's stacks that
+            match them (`match_stack_order`) come first, in that order, then the others as
+            below.
 
     Returns:
         The `ModelSpec` (``LayerSpec.index`` 0..n-1 over all stacks, ``LayerSpec.name``
@@ -213,7 +214,7 @@ def spec_from_tensors(tensors: Iterable[TensorHeader], *, buffers: Collection[st
     if any(len(by_index) >= 2 for by_index in stacks.values()):
         for stack in [stack for stack, by_index in stacks.items() if len(by_index) == 1]:
             outside.extend(tensor for entries in stacks.pop(stack).values() for _, tensor in entries)
-    leading = [name for name in dict.fromkeys(order) if name in stacks]
+    leading = list(match_stack_order([(name, len(by_index)) for name, by_index in stacks.items()], running))
     stacks = {name: stacks[name] for name in [*leading, *(n for n in stacks if n not in leading)]}
     if not stacks:
         sample = tuple(t.name for t in ordered[:3])

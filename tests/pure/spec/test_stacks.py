@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 
 from offload.errors import CheckpointError
-from offload.pure.spec.stacks import CheckpointSpec, StackSpec, spec_from_tensors
+from offload.pure.spec.stacks import CheckpointSpec, StackSpec, match_stack_order, spec_from_tensors
 from offload.pure.spec.values import COMPUTE_DEVICE, contiguous_stride
 from tests.pure.spec.test_safetensors import tensor
 
@@ -317,3 +317,15 @@ def test_buffer_names_absent_from_the_checkpoint_change_nothing() -> None:
     names = [f"h.{i}.w" for i in range(3)]
     plain = spec_from_tensors([tensor(n) for n in names])
     assert spec_from_tensors([tensor(n) for n in names], buffers={"h.0.rotary.inv_freq"}) == plain
+
+
+def test_the_checkpoints_stacks_follow_the_order_the_model_runs() -> None:
+    found = [("language_model.model.layers", 2), ("vision_tower.encoder.layers", 2), ("extra.blocks", 3)]
+    running = [("model.vision_tower.encoder.layers", 2), ("model.language_model.layers", 2)]
+    # A suffix, then the same segments in another order; unmatched stacks are left out.
+    assert match_stack_order(found, running) == ("vision_tower.encoder.layers", "language_model.model.layers")
+    assert match_stack_order(found, [("model.language_model.layers", 5)]) == ()  # another layer count
+    names = [f"{stack}.{i}.w" for stack, n in (("b.layers", 2), ("a.layers", 3)) for i in range(n)]
+    result = spec_from_tensors([tensor(n) for n in names], running=(("b.layers", 2), ("a.layers", 3)))
+    assert [s.name for s in result.stacks] == ["b.layers", "a.layers"] and result.spec.stacks == (2, 3)
+    assert [s.name for s in spec_from_tensors([tensor(n) for n in names]).stacks] == ["a.layers", "b.layers"]
