@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import final
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
@@ -15,6 +16,7 @@ from offload.executors.placement.find import find_moves
 from offload.executors.placement.marks import claim, mark, unmark
 from offload.executors.placement.move import Undo, move_resident
 from offload.executors.placement.restore import Restorer
+from offload.executors.placement.unpack import unpack
 from offload.executors.reload import Weights, write_weights
 from offload.protocols import Runtime
 from offload.pure.check import LiveCheck
@@ -49,6 +51,7 @@ class NoopOffloader:
         self._rt = runtime
         self._wrapped = False
         self._restorer: Restorer | None = None
+        self._hooks: list[RemovableHandle] = []  # state_dict hooks of unpacked quantised weights
         self._layers: list[nn.Module] = []
 
     @property
@@ -68,16 +71,19 @@ class NoopOffloader:
             raise ExecutionError("wrap_modules was already called", name="state", value="wrapped")
         layers = list(layers)
         claim(layers, self)
-        found = find_moves(self._plan, layers, self._rt.device)
+        unpacked = unpack(layers)  # quantised weights: named by their inner tensors, as planned
         undo = Undo()
         store = HostStore(self._rt, pin=self._plan.pin.method)  # stays empty: nothing is offloaded
         try:
+            found = find_moves(self._plan, layers, self._rt.device)
             from_host = move_resident(self._plan, layers, found, self._rt, undo, {})
         except BaseException as exc:
             undo.run(store, self._rt)
+            unpacked.pack()
             raise_as_execution_error(exc, "moving weights to the device failed, model left as it was",
                                      "wrap_modules")
-        self._restorer = Restorer(layers, store, {}, from_host, self._rt)
+        self._restorer = Restorer(layers, store, {}, from_host, self._rt, unpacked=unpacked)
+        self._hooks = unpacked.hooks(layers, range(len(layers)))
         self._layers = layers
         mark(layers, self)
         self._wrapped = True
@@ -118,6 +124,9 @@ class NoopOffloader:
         if self._restorer is not None:
             self._restorer.run(self._plan)
         self._restorer = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         unmark(self._layers)
         self._layers = []
         self._wrapped = False

@@ -8,12 +8,12 @@ device memory and describing one on the meta device works the same way.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NoReturn
 
 import torch
 from torch import nn
 
 from offload.errors import PlanError
+from offload.model.wrappers import expand_wrappers, inner_names, is_wrapper
 from offload.pure.spec.values import (
     LayerSpec,
     ModelSpec,
@@ -114,31 +114,9 @@ _Named = Iterable[tuple[str, torch.Tensor | None]]
 _PARAMETER, _TENSOR = nn.Parameter, torch.Tensor
 
 
-def _wrapper(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` is a wrapper subclass: its data live in inner tensors
-    (``__tensor_flatten__``), not in a storage of its own (a plain Python subclass of
-    Parameter keeps its storage and is offloaded as any other)."""
-    return callable(getattr(type(tensor), "__tensor_flatten__", None))
-
-
-def _refuse_subclass(layer_index: int, name: str, tensor: torch.Tensor) -> NoReturn:
-    """Refuse a parameter that is a wrapper tensor subclass (a quantised weight such as
-    torchao's ``Int8Tensor``, a ``DTensor``): its bytes live in inner tensors, and moving
-    it as one tensor would lose them."""
-    cls = type(tensor)
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    inner = ""
-    if callable(flatten):
-        try:
-            names = flatten()[0]
-            inner = f" whose data are the inner tensors {', '.join(map(repr, names))}"
-        except Exception:  # a subclass that cannot say: named by its type alone
-            inner = ""
-    raise PlanError(
-        f"layer {layer_index}: parameter {name!r} is a {cls.__module__}.{cls.__qualname__} (a tensor subclass"
-        f"{inner}); offload moves plain tensors only and cannot offload it yet: keep the layers holding such "
-        "weights out of the stack given to offload (or offload the model unquantised)",
-        name=name, value=f"{cls.__module__}.{cls.__qualname__}")
+class _Wrapped(Exception):
+    """Raised by `_describe` at a wrapper subclass (`is_wrapper`): the layer is described
+    again with its wrappers expanded (`expand_wrappers`)."""
 
 
 def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, ...]:
@@ -157,8 +135,8 @@ def _describe(layer_index: int, named: _Named, memo: _Memo) -> tuple[ParamSpec, 
     for name, tensor in named:
         if tensor is None:
             continue
-        if type(tensor) is not _PARAMETER and type(tensor) is not _TENSOR and _wrapper(tensor):
-            _refuse_subclass(layer_index, name, tensor)
+        if type(tensor) is not _PARAMETER and type(tensor) is not _TENSOR and is_wrapper(tensor):
+            raise _Wrapped(name)
         if tensor.layout is not strided:  # layouts are singletons, equal only to themselves
             raise PlanError(
                 f"layer {layer_index}: parameter {name!r} has layout {tensor.layout}; "
@@ -274,9 +252,16 @@ def describe_tensor(layer_index: int, name: str, tensor: torch.Tensor) -> ParamS
     """The `ParamSpec` of one parameter's tensor, from its metadata only.
 
     Raises:
-        PlanError: the tensor is not dense (strided).
+        PlanError: the tensor is not dense (strided), or is a wrapper subclass (a quantised
+            weight: `describe_layers` describes its inner tensors, one spec each).
     """
-    return _describe(layer_index, ((name, tensor),), {})[0]
+    try:
+        return _describe(layer_index, ((name, tensor),), {})[0]
+    except _Wrapped:
+        names = inner_names(layer_index, name, tensor)
+        raise PlanError(f"layer {layer_index}: parameter {name!r} is a tensor subclass whose data are the inner "
+                        f"tensors {', '.join(map(repr, names))}: describe each of them (describe_layers does)",
+                        name=name, value=type(tensor).__qualname__) from None
 
 
 def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
@@ -291,11 +276,14 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
         ``params`` in ``named_parameters(remove_duplicate=False)`` order with names
         relative to the layer, so a parameter tied within the layer is listed under each
         of its names (with equal ``storage_key``). Sizes are in elements, ``nbytes`` in
-        bytes.
+        bytes. A quantised weight (a wrapper tensor subclass) is listed as its inner
+        tensors, named and ordered as the layer holds them while offloaded
+        (`offload.model.wrappers`).
 
     Raises:
         PlanError: `layers` is not iterable (e.g. a single layer), an
-            element is not an ``nn.Module``, or a parameter is not a dense tensor.
+            element is not an ``nn.Module``, a parameter is not a dense tensor, or a
+            quantised one cannot be unpacked (`offload.model.wrappers.inner_names`).
     """
     # Checked at run time too: callers without a type checker pass a single module.
     given: object = layers
@@ -316,7 +304,10 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
                 name=f"layers[{index}]",
                 value=layer,
             )
-        params = _describe(index, _named_parameters(layer), memo)
+        try:
+            params = _describe(index, _named_parameters(layer), memo)
+        except _Wrapped:  # a quantised weight: its inner tensors, named as once unpacked
+            params = _describe(index, expand_wrappers(index, list(_named_parameters(layer))), memo)
         # Built without checking again: indices count from 0 here, and the names of one
         # module's named_parameters() are unique.
         specs.append(trusted_layer_spec(index, type(layer).__name__, params))

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from offload.errors import ExecutionError
+from offload.executors.placement.unpack import has_wrappers
 from offload.executors.reload import Weights
 from offload.pure.check import LiveCheck
 from offload.pure.sharing.admission import refusal_text
@@ -126,6 +127,10 @@ class SharedOffloader(SharedWrap):
         """
         if self._refused is not None and not self._done:
             raise _job_refusal(self._refused)
+        if has_wrappers(layers):  # every member holds the same model: each refuses alone, nothing shared yet
+            raise ExecutionError("a sharing group cannot offload quantised weights (tensor subclasses unpacked into "
+                                 "their inner tensors) yet: offload them without share_with, one host copy per process",
+                                 name="share_with", value="quantised")
         source, channel = self._source, self._channel
         if self._done or ((source is None or channel is None) and self._verdicts is None):
             out = self._inner.wrap_modules(layers)  # nothing to share, or the executor refuses a second wrap

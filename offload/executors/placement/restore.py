@@ -16,6 +16,7 @@ from offload.executors.common import Ref, find_parameter, host_of, host_owner, r
 from offload.executors.hoststore import HostStore
 from offload.executors.placement.find import ViewGroup
 from offload.executors.placement.progress import Progress, tensor_bytes
+from offload.executors.placement.unpack import Unpacked
 from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 
@@ -36,12 +37,15 @@ class Restorer:
         runtime: the effects.
         views: offloaded parameters that were views of one storage: given back into one
             storage again (bytes no parameter covered are not kept).
+        unpacked: quantised weights unpacked into their inner tensors: packed again once
+            every inner tensor is back.
     """
 
     def __init__(self, layers: Sequence[nn.Module], store: HostStore, target: Mapping[Ref, torch.device],
                  from_host: Sequence[tuple[Ref, nn.Parameter]], runtime: Runtime,
-                 views: Sequence[ViewGroup] = ()) -> None:
+                 views: Sequence[ViewGroup] = (), unpacked: Unpacked | None = None) -> None:
         self._views = views
+        self._unpacked = unpacked
         self._reshared = False
         self._layers = layers
         self._store = store
@@ -97,6 +101,8 @@ class Restorer:
                 self._store.drop(owner)
             self._resident_back()
             self._reshare()
+            if self._unpacked is not None:
+                self._unpacked.pack()
         except BaseException as exc:
             done = len(self._done) + len(self._back)
             raise_with_progress(

@@ -45,6 +45,7 @@ from offload.executors.placement.restore import (
     state_dict_hook,
     take_replacements,
 )
+from offload.executors.placement.unpack import unpack
 from offload.executors.prefetch.buffers import allocate_arenas, merge_copies, prepare_copies
 from offload.executors.prefetch.weights import NewWeights
 from offload.executors.reload import route_state_dict_loads
@@ -96,15 +97,17 @@ class PrefetchOffloader(NewWeights):
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
+        unpacked = unpack(layers)  # quantised weights: by their inner tensors (offload.model.wrappers)
         try:
             found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin,
                                                lambda p, owner, move: self._host_of(owner), blocks=True)
         except BaseException as exc:
+            unpacked.pack()
             self._host.clear()
             self._origin.clear()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views)
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views, unpacked)
         self._layers = layers
         self._handle = ops.register(self)
         # Hooks know their layer, not their schedule position: post_init may revise the
@@ -114,6 +117,7 @@ class PrefetchOffloader(NewWeights):
         self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in self._plan.offloaded_layers]
+        self._hooks += unpacked.hooks(layers, range(len(layers)))  # after the host copies are put in
         mark(layers, self)
         self._state = LEAVES["wrap_modules"]
         log.info("offloaded %d parameters of %d layers to host memory (%s; moves: %s)", len(self._origin),

@@ -33,6 +33,7 @@ from offload.executors.placement.restore import (
     state_dict_hook,
     take_replacements,
 )
+from offload.executors.placement.unpack import unpack
 from offload.executors.reload import Weights, begin_load, log_loaded, write_weights
 from offload.executors.uva.forward import OnDemand
 from offload.pure.check import LiveCheck
@@ -83,13 +84,15 @@ class UVAOffloader(OnDemand):
         layers = list(layers)
         plan = self._plan
         claim(layers, self)
+        unpacked = unpack(layers)  # quantised weights: by their inner tensors (offload.model.wrappers)
         try:
             found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin, self._data_for)
         except BaseException as exc:
+            unpacked.pack()
             self._forget()
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
-        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views)
+        self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views, unpacked)
         self._layers = layers
         self._handle = ops.register_on_demand(self)
         self._hook_on_demand()
@@ -97,6 +100,7 @@ class UVAOffloader(OnDemand):
         self._hooks = [layers[index].register_state_dict_post_hook(  # type: ignore[no-untyped-call]  # unannotated in torch
             state_dict_hook(self._host, lambda: self._plan, index))
                        for index in layers_offloaded]
+        self._hooks += unpacked.hooks(layers, range(len(layers)))  # after the host copies are put in
         mark(layers, self)
         self._state = LEAVES["wrap_modules"]
         log.info("offloaded %d parameters to host memory (%s): %d storages read in place, %d copied on demand "
