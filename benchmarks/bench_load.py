@@ -5,7 +5,11 @@ shards (``--size-gb``: 0.2 by default on the CPU, float32, width 768; 4 on CUDA,
 bfloat16, width 4096; the number of layers makes up the size), or with ``--model whisper``
 a random Whisper-shaped one (two stacks, an encoder and a decoder, both offloaded; the
 forward runs the encoder on random features and the decoder on 8 token ids), or
-``--checkpoint DIR``.
+``--checkpoint DIR``. ``--quantise int8`` (or ``float8``) quantises the linear layers at
+load in every row, through transformers' own torchao integration
+(``quantization_config=TorchAoConfig(...)``, passed to ``from_pretrained`` and to
+`offload_pretrained` alike): the offloaded rows then move the quantised weights' inner
+tensors (`offload.model.wrappers`).
 
 Rows, in one run, each measured ``--reps`` times, each time in a fresh process (so that
 its peak host memory is its own):
@@ -131,8 +135,25 @@ def _layers_bytes(directory: Path) -> int:
     return read_checkpoint(directory).spec.nbytes
 
 
-def measure(mode: str, directory: Path) -> dict[str, Any]:
-    """Load `directory` as `mode` says, then one forward; the numbers of one row."""
+#: ``--quantise`` schemes: the torchao config of each, by name (imported in the child only).
+QUANTISE = ("none", "int8", "float8")
+
+
+def _quantisation(scheme: str) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments quantising the checkpoint's linear layers as
+    `scheme` says, through transformers' own torchao integration (`TorchAoConfig`)."""
+    if scheme == "none":
+        return {}
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    chosen = Int8WeightOnlyConfig() if scheme == "int8" else Float8WeightOnlyConfig()
+    return {"quantization_config": TorchAoConfig(chosen)}
+
+
+def measure(mode: str, directory: Path, scheme: str = "none") -> dict[str, Any]:
+    """Load `directory` as `mode` says (quantised as `scheme` says), then one forward; the
+    numbers of one row."""
     import transformers
     import transformers.modeling_utils  # noqa: F401  (imported before the clock: seconds of imports, not loading)
 
@@ -147,6 +168,7 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
         "prefetch": OffloadConfig(backend="prefetch", group_size=2, num_in_group=1, prefetch_step=2),
         "uva": OffloadConfig(backend="uva", uva_max_bytes=max(1, _layers_bytes(directory) // 2)),
     }
+    quantised = _quantisation(scheme)  # torchao imported before the clock too
     base = status_bytes("VmRSS")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -154,7 +176,7 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
     model: Any  # transformers' decorated `to` does not type-check with a device string
     start = time.perf_counter()
     if mode == "resident":
-        model = load_on_host(directory)
+        model = load_on_host(directory, **quantised)
         if cuda:
             free, _ = torch.cuda.mem_get_info()
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -163,7 +185,7 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
             else:
                 report["fits"] = False
     else:
-        model, _ = offload_pretrained(directory, configs[mode])
+        model, _ = offload_pretrained(directory, configs[mode], **quantised)
     if cuda:
         torch.cuda.synchronize()
     report["ready_s"] = time.perf_counter() - start
@@ -188,9 +210,9 @@ def measure(mode: str, directory: Path) -> dict[str, Any]:
     return report
 
 
-def run_child(mode: str, directory: Path) -> dict[str, Any]:
+def run_child(mode: str, directory: Path, scheme: str = "none") -> dict[str, Any]:
     """`measure` in a fresh interpreter; its JSON report."""
-    done = subprocess.run([sys.executable, __file__, "--child", mode, str(directory)], capture_output=True,
+    done = subprocess.run([sys.executable, __file__, "--child", mode, str(directory), scheme], capture_output=True,
                           text=True, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"bench_load: the {mode} measurement failed:\n{done.stderr}")
@@ -223,13 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size-gb", type=float, help="size of the built checkpoint (default 0.2 on CPU, 4 on CUDA)")
     parser.add_argument("--reps", type=int, default=2, help="measurements per row, each a fresh process (default 2)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="rows (default all)")
-    parser.add_argument("--child", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--quantise", choices=QUANTISE, default="none",
+                        help="quantise the linear layers at load with torchao through transformers' TorchAoConfig, "
+                             "every row alike (default none; needs the quant extra)")
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "DIR", "SCHEME"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not STATUS.is_file():
         print(f"bench_load: {STATUS} is missing; peak host memory (VmHWM) cannot be read here. Nothing measured.")
         return 1
     if args.child:
-        print(json.dumps(measure(args.child[0], Path(args.child[1]))))
+        print(json.dumps(measure(args.child[0], Path(args.child[1]), args.child[2])))
         return 0
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -252,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"checkpoint: {directory} ({described}; {total / GB:.3f} GB of tensors), warm page cache")
         print(f"each measurement a fresh process, medians of {args.reps}; host peak = VmHWM minus VmRSS after imports; "
               "ratios to resident: time of ready, host peak after the forward")
-        rows = {mode: summarize([run_child(mode, directory) for _ in range(args.reps)]) for mode in args.modes}
+        if args.quantise != "none":
+            print(f"quantised at load: {args.quantise} weight-only (torchao through TorchAoConfig), every row")
+        rows = {mode: summarize([run_child(mode, directory, args.quantise) for _ in range(args.reps)])
+                for mode in args.modes}
     header = (f"{'mode':<9} {'ready s':>8} {'GB/s':>6} {'fwd s':>6} {'host ready':>11} {'host +fwd':>10} "
               f"{'dev ready':>10} {'dev +fwd':>10} {'time x':>7} {'host x':>7}")
     print(header)
