@@ -33,7 +33,8 @@ from offload.model.wrappers import is_wrapper
 from offload.pure.check import Location
 from tests.executors.fakes import FakeRuntime
 from tests.executors.faults import FaultyRuntime, make_error
-from tests.executors.helpers import CUDA_LIKE
+from tests.executors.helpers import CUDA_LIKE, cpu_plan, prefetch
+from tests.executors.models import layer_list
 from tests.hf.checkpoints import VOCAB, build, save
 
 STEPS = 4
@@ -241,3 +242,38 @@ def test_the_live_check_finds_every_inner_tensor_where_the_plan_put_it(backend: 
     assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), _step_logits(reference), strict=True))
     off.restore()
     assert len(_wrappers(model)) == 4 * 7
+
+
+class _Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script")  # inductor's import reaches it (see test_compile_ordering)
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_whole_graph_over_deferred_copies_equals_the_resident_quantised_model(compiler: str) -> None:
+    """torch.compile traces the rebuilt wrapper (fullgraph: no break), and each layer's
+    int8 math still reads its slot after the prefetch op's wait: a `FakeRuntime` that
+    defers every copy until it is waited for makes a read that overtakes its wait see the
+    slot's previous owner."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Projection() for _ in range(6)]).requires_grad_(False)
+    quantize_(model, Int8WeightOnlyConfig())
+    reference = copy.deepcopy(model)
+    off = prefetch(cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=2)), FakeRuntime(defer=True))
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=compiler, fullgraph=True)
+        with torch.no_grad():
+            for seed in range(3):
+                x = torch.randn(2, 64, generator=torch.Generator().manual_seed(seed))
+                assert torch.equal(compiled(x), reference(x))
+    finally:
+        off.restore()
+        torch._dynamo.reset()
