@@ -30,7 +30,10 @@ from io import RawIOBase
 from pathlib import Path
 from typing import NoReturn
 
+import attrs
+
 from offload.errors import CheckpointError
+from offload.pure.spec.extents import DiskExtent, FileIdentity, extent_of
 from offload.pure.spec.safetensors import (
     SHARD_SUFFIX,
     TensorHeader,
@@ -45,7 +48,10 @@ from offload.pure.spec.values import ModelSpec
 __all__ = [
     "INDEX_SUFFIX",
     "MAX_HEADER_BYTES",
+    "CheckpointExtents",
+    "checkpoint_extents",
     "checkpoint_files",
+    "file_identity",
     "read_checkpoint",
     "read_safetensors_header",
     "spec_from_checkpoint",
@@ -207,10 +213,21 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
             or the header is not a valid safetensors header (see
             `offload.pure.spec.safetensors.parse_safetensors_header`).
     """
-    file_path = Path(path)
+    return _read_header(Path(path))[0]
+
+
+def _identity(path: Path, info: os.stat_result) -> FileIdentity:
+    return FileIdentity(path=os.fspath(path), size=info.st_size, mtime_ns=info.st_mtime_ns, inode=info.st_ino,
+                        device=info.st_dev)
+
+
+def _read_header(file_path: Path) -> tuple[tuple[TensorHeader, ...], int, FileIdentity]:
+    """`read_safetensors_header`, with the header's length and the file's identity (its
+    ``fstat`` when the header was read)."""
     try:
         with open(file_path, "rb", buffering=0) as file:
-            file_bytes = os.fstat(file.fileno()).st_size
+            info = os.fstat(file.fileno())
+            file_bytes = info.st_size
             (header_bytes,) = _LENGTH.unpack(_read_exactly(file, _LENGTH.size, file_path, "header length"))
             if header_bytes > MAX_HEADER_BYTES:
                 _fail(f"{_shown(file_path)}: header length {header_bytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
@@ -224,7 +241,65 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
     data_bytes = file_bytes - _LENGTH.size - header_bytes
     tensors = parse_safetensors_header(header, source=_shown(file_path), data_bytes=data_bytes)
     logger.debug("%s: %d tensors, header %d bytes, data %d bytes", file_path, len(tensors), header_bytes, data_bytes)
-    return tensors
+    return tensors, header_bytes, _identity(file_path, info)
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointExtents:
+    """Where every tensor of a checkpoint lies, and what identifies its files.
+
+    Attributes:
+        files: each file read, as it was when its header was read.
+        extents: each tensor's bytes, by its full name.
+        tensors: each tensor's header, by its full name.
+    """
+
+    files: tuple[FileIdentity, ...]
+    extents: Mapping[str, DiskExtent]
+    tensors: Mapping[str, TensorHeader]
+
+
+def checkpoint_extents(path: str | os.PathLike[str]) -> CheckpointExtents:
+    """Read every header of a checkpoint (the files `checkpoint_files` names) and say
+    where each tensor's bytes lie (`offload.pure.spec.extents`); no data is read.
+
+    Raises:
+        CheckpointError: as `read_checkpoint`, for the files and their headers; a tensor
+            name in two files.
+    """
+    files, index, weight_map = _layout(path)
+    identities: list[FileIdentity] = []
+    extents: dict[str, DiskExtent] = {}
+    tensors: dict[str, TensorHeader] = {}
+    owner: dict[str, Path] = {}
+    for file_path in files:
+        found, header_bytes, identity = _read_header(file_path)
+        identities.append(identity)
+        for tensor in found:
+            first = owner.setdefault(tensor.name, file_path)
+            if first != file_path:
+                raise CheckpointError(f"tensor {tensor.name!r} is in both {_shown(first)} and {_shown(file_path)}",
+                                      name=tensor.name, value=(str(first), str(file_path)))
+            extents[tensor.name] = extent_of(tensor, identity.path, header_bytes)
+            tensors[tensor.name] = tensor
+    if index is not None and weight_map is not None:
+        check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
+    return CheckpointExtents(files=tuple(identities), extents=extents, tensors=tensors)
+
+
+def file_identity(path: str | os.PathLike[str]) -> FileIdentity:
+    """What identifies `path` now (``os.stat``), to compare with the identity planned
+    (`FileIdentity.changes`).
+
+    Raises:
+        CheckpointError: it cannot be read (gone, no permission).
+    """
+    file_path = Path(path)
+    try:
+        info = os.stat(file_path)
+    except OSError as error:
+        _os_error(file_path, error)
+    return _identity(file_path, info)
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = frozenset(),
@@ -249,21 +324,10 @@ def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = 
             than the index says, in none, or in a shard but not in the index; no layer
             names; missing layers.
     """
-    files, index, weight_map = _layout(path)
-    owner: dict[str, Path] = {}
-    tensors: list[TensorHeader] = []
-    for file_path in files:
-        for tensor in read_safetensors_header(file_path):
-            first = owner.setdefault(tensor.name, file_path)
-            if first != file_path:
-                raise CheckpointError(f"tensor {tensor.name!r} is in both {_shown(first)} and {_shown(file_path)}",
-                                      name=tensor.name, value=(str(first), str(file_path)))
-            tensors.append(tensor)
-    if index is not None and weight_map is not None:
-        check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
-    result = spec_from_tensors(tensors, buffers=buffers, running=running)
+    found = checkpoint_extents(path)
+    result = spec_from_tensors(list(found.tensors.values()), buffers=buffers, running=running)
     logger.debug("%s: %d files, %d layers, %d tensors outside layers, %d buffers (stacks: %s)",
-                 _shown(os.fspath(path)), len(files), len(result.spec.layers), len(result.outside_layers),
+                 _shown(os.fspath(path)), len(found.files), len(result.spec.layers), len(result.outside_layers),
                  len(result.buffers), ", ".join(stack.name for stack in result.stacks))
     return result
 
