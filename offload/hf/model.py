@@ -21,6 +21,7 @@ from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.hf.layers import find_stacks
 from offload.model.describe import describe_stacks, storage_key
+from offload.model.wrappers import inner_tensors, is_wrapper
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
@@ -62,13 +63,16 @@ def outside_tensors(model: nn.Module, layers: Sequence[nn.Module]) -> list[tuple
 
 
 def _outside_bytes(tensors: Sequence[tuple[Slot, torch.Tensor]]) -> int:
+    """Bytes of the tensors outside the layers, each storage once (a quantised weight's:
+    its inner tensors')."""
     seen: set[object] = set()
     total = 0
-    for _, tensor in tensors:
-        key: object = storage_key(tensor) or id(tensor)
-        if key not in seen:
-            seen.add(key)
-            total += tensor.numel() * tensor.element_size()
+    for _, outer in tensors:
+        for tensor in inner_tensors(outer):
+            key: object = storage_key(tensor) or id(tensor)
+            if key not in seen:
+                seen.add(key)
+                total += tensor.numel() * tensor.element_size()
     return total
 
 
@@ -342,6 +346,7 @@ def offload_stacks(
     from offload.create import create_offloader, default_runtime
 
     rt = runtime if runtime is not None else default_runtime(plan)
+    _refuse_wrappers_to_move(rest, rt.device)
     offloader = ModelOffloader(model, layers, create_offloader(plan, rt), rt)
     offloader.wrap_modules(layers)
     try:
@@ -365,8 +370,22 @@ def _stacks_text(model: nn.Module, stacks: Sequence[nn.ModuleList], spec: ModelS
     return "; ".join(parts)
 
 
+def _refuse_wrappers_to_move(rest: Sequence[tuple[Slot, torch.Tensor]], device: torch.device) -> None:
+    """Refuse, before anything moves, a quantised weight outside the layers that is not on
+    the compute device: moving a tensor subclass there is its own conversion (torchao's
+    ``.to``), which offload does not make for it yet."""
+    for (module, name, _), tensor in rest:
+        if is_wrapper(tensor) and tensor.device != device:
+            kind = type(tensor).__qualname__
+            raise PlanError(
+                f"{type(module).__name__}.{name} is a quantised weight ({kind}) outside the layer stacks, on "
+                f"{tensor.device}: offload does not move such weights to {device} yet; move that module there first "
+                "(module.to(device)), or quantise only the layers", name=name, value=kind)
+
+
 def _refuse_ties_to_outside(spec: ModelSpec, rest: Sequence[tuple[Slot, Any]]) -> None:
-    outside = {key for _, tensor in rest if (key := storage_key(tensor)) is not None}
+    # A quantised weight outside is told by its inner tensors, as describe tells those inside.
+    outside = {key for _, tensor in rest for inner in inner_tensors(tensor) if (key := storage_key(inner)) is not None}
     for layer in spec.layers:
         for param in layer.params:
             if param.storage_key is not None and param.storage_key in outside:

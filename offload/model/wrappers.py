@@ -26,7 +26,7 @@ from torch import nn
 
 from offload.errors import PlanError
 
-__all__ = ["PARAMETRIZATIONS", "expand_wrappers", "inner_names", "is_wrapper", "unpacked_name"]
+__all__ = ["PARAMETRIZATIONS", "expand_wrappers", "inner_names", "inner_tensors", "is_wrapper", "unpacked_name"]
 
 #: Where ``torch.nn.utils.parametrize`` keeps a module's parametrisations.
 PARAMETRIZATIONS = "parametrizations"
@@ -86,6 +86,21 @@ def inner_names(layer_index: int, name: str, tensor: torch.Tensor) -> tuple[str,
             raise refuse(f"its inner {inner!r} is a {_type_name(value)} with layout {value.layout}, not a plain "
                          "dense tensor")
     return found
+
+
+def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The inner tensors of a wrapper (`is_wrapper`), in ``__tensor_flatten__`` order;
+    ``[tensor]`` for a plain one. For reading what a tensor holds (its bytes, its storage
+    identity) where it is not offloaded, so never refused: a wrapper that cannot say is
+    described by itself."""
+    if not is_wrapper(tensor):
+        return [tensor]
+    try:
+        names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]  # a wrapper subclass's protocol
+    except Exception:  # it cannot say: itself
+        return [tensor]
+    found = [getattr(tensor, str(name), None) for name in names]
+    return [inner for inner in found if isinstance(inner, torch.Tensor)] or [tensor]
 
 
 def unpacked_name(prefix: str, leaf: str, index: int) -> str:

@@ -27,7 +27,7 @@ from torchao.quantization import (
 )
 from transformers import AutoModelForCausalLM, PreTrainedModel, TorchAoConfig
 
-from offload import EnvFlags, EnvSnapshot, ExecutionError, OffloadConfig, Placement, describe_layers
+from offload import EnvFlags, EnvSnapshot, ExecutionError, OffloadConfig, Placement, PlanError, describe_layers
 from offload.hf import find_layers, offload_model, offload_pretrained
 from offload.model.wrappers import is_wrapper
 from offload.pure.check import Location
@@ -277,3 +277,48 @@ def test_compiled_whole_graph_over_deferred_copies_equals_the_resident_quantised
     finally:
         off.restore()
         torch._dynamo.reset()
+
+
+class _Tied(nn.Module):
+    """Layers and a head that shares the first layer's quantised weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Projection() for _ in range(3)])
+        self.head = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def test_a_quantised_weight_tied_to_a_module_outside_the_layers_is_refused_before_anything_moves() -> None:
+    """As a plain weight tied there is: offloading it would leave the outside module
+    reading a slot (told by the inner tensors' storage, the wrapper having none)."""
+    torch.manual_seed(0)
+    model = _Tied().requires_grad_(False)
+    quantize_(model, Int8WeightOnlyConfig())
+    model.head.weight = model.layers[0].proj.weight
+    before = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
+    with pytest.raises(PlanError, match=r"layer 0 parameter 'proj\.parametrizations\.weight\.original0' shares its "
+                                        r"storage with a tensor outside the layers"):
+        offload_model(model, BACKENDS["prefetch"])
+    assert [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)] == before
+
+
+def test_a_quantised_weight_outside_the_layers_off_the_device_is_refused_before_anything_moves() -> None:
+    """On a played CUDA device, a quantised head still on the host: moving a tensor
+    subclass is its own conversion, not made yet; said by name, nothing moved."""
+    model = _quantised("int8-weight-only")
+    quantize_(model.lm_head, Int8WeightOnlyConfig(), filter_fn=None)
+    assert is_wrapper(model.lm_head.weight)
+    before = [(n, id(p), p.device) for n, p in model.named_parameters()]
+    runtime = FakeRuntime(device="cuda:0")
+    with pytest.raises(PlanError, match=r"Linear\.weight is a quantised weight \(Int8Tensor\) outside the layer "
+                                        r"stacks, on cpu: offload does not move such weights to cuda:0 yet"):
+        offload_model(model, BACKENDS["prefetch"], env=EnvSnapshot(flags=EnvFlags(), platform=CUDA_LIKE),
+                      runtime=runtime)
+    assert [(n, id(p), p.device) for n, p in model.named_parameters()] == before
+    assert all("forward" not in module.__dict__ for module in model.modules())
