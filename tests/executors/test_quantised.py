@@ -300,7 +300,8 @@ def test_a_quantised_weight_tied_to_a_module_outside_the_layers_is_refused_befor
     torch.manual_seed(0)
     model = _Tied().requires_grad_(False)
     quantize_(model, Int8WeightOnlyConfig())
-    model.head.weight = model.layers[0].proj.weight
+    first: Any = model.layers[0]
+    model.head.weight = first.proj.weight
     before = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
     with pytest.raises(PlanError, match=r"layer 0 parameter 'proj\.parametrizations\.weight\.original0' shares its "
                                         r"storage with a tensor outside the layers"):
