@@ -35,7 +35,7 @@ from tests.executors.fakes import FakeRuntime
 from tests.executors.faults import FaultyRuntime, make_error
 from tests.executors.helpers import CUDA_LIKE, cpu_plan, prefetch
 from tests.executors.models import layer_list
-from tests.hf.checkpoints import VOCAB, build, save
+from tests.hf.checkpoints import VOCAB, build, save, step_logits
 
 STEPS = 4
 
@@ -78,17 +78,6 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _step_logits(model: PreTrainedModel) -> tuple[torch.Tensor, ...]:
-    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
-    run: Any = model
-    with torch.inference_mode():
-        out = run.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
-                           min_new_tokens=STEPS, do_sample=False, pad_token_id=0, output_scores=True,
-                           return_dict_in_generate=True)
-    scores: tuple[torch.Tensor, ...] = out.scores
-    return scores
-
-
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("scheme", sorted(QUANTISE))
 def test_every_generate_step_equals_the_resident_quantised_model(scheme: str, backend: str) -> None:
@@ -108,8 +97,8 @@ def test_every_generate_step_equals_the_resident_quantised_model(scheme: str, ba
                 for n in (p.name for p in layer.params)}
     assert offloaded == expected
     assert any(".parametrizations.weight.original" in name for _, name in offloaded)
-    want = _step_logits(reference)
-    got = _step_logits(model)
+    want = step_logits(reference)
+    got = step_logits(model)
     assert len(got) == len(want) == STEPS
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"{scheme} {backend}: step {step} differs by {(a - b).abs().max().item()}"
@@ -127,7 +116,7 @@ def test_every_generate_step_equals_the_resident_quantised_model(scheme: str, ba
         assert all(type(t) is torch.Tensor for t in _inner(wrapper))
     assert all(_equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(),
                                             strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(step_logits(model), want, strict=True))
 
 
 @pytest.mark.parametrize("placement", [Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND], ids=str)
@@ -181,7 +170,7 @@ def test_a_failed_wrap_leaves_the_quantised_model_as_it_was() -> None:
     assert all(_equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values(),
                                             strict=True))
     off = offload_model(model, BACKENDS["prefetch"])  # and it offloads afterwards
-    assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), _step_logits(reference), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(step_logits(model), step_logits(reference), strict=True))
     off.restore()
 
 
@@ -202,7 +191,7 @@ def test_a_conversion_goes_to_the_wrapper_as_on_the_resident_model(backend: str)
     state, ref_state = model.state_dict(), reference.state_dict()
     assert sorted(state) == sorted(ref_state)
     assert all(_equal(state[key], ref_state[key]) for key in ref_state)
-    assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), _step_logits(reference), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(step_logits(model), step_logits(reference), strict=True))
     with pytest.raises(ExecutionError, match=r"cannot convert the quantised weight 'self_attn\.q_proj\.weight'"):
         model.model.layers.to("meta")
     off.restore()
@@ -221,7 +210,7 @@ def test_offload_pretrained_quantises_at_load_through_transformers_and_offloads_
     assert len(_wrappers(reference)) == 4 * 7
     model, off = offload_pretrained(path, BACKENDS[backend], quantization_config=quantised)
     assert sum(".parametrizations.weight.original" in p.name for p in off.plan.offloaded_params) == 4 * 7 * 3
-    assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), _step_logits(reference), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(step_logits(model), step_logits(reference), strict=True))
     off.restore()
     assert len(_wrappers(model)) == 4 * 7
 
@@ -239,7 +228,7 @@ def test_the_live_check_finds_every_inner_tensor_where_the_plan_put_it(backend: 
     assert all(p.actual == p.expected and p.actual is not Location.MISSING for p in places)
     state, ref_state = model.state_dict(), reference.state_dict()
     assert sorted(state) == sorted(ref_state)
-    assert all(torch.equal(a, b) for a, b in zip(_step_logits(model), _step_logits(reference), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(step_logits(model), step_logits(reference), strict=True))
     off.restore()
     assert len(_wrappers(model)) == 4 * 7
 

@@ -19,7 +19,7 @@ from transformers import (
     Qwen3Config,
 )
 
-__all__ = ["ARCHITECTURES", "VOCAB", "build", "save"]
+__all__ = ["ARCHITECTURES", "VOCAB", "build", "save", "step_logits"]
 
 VOCAB = 96
 
@@ -69,6 +69,19 @@ def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> Pr
     made.eval()
     model: PreTrainedModel = made
     return model
+
+
+def step_logits(model: PreTrainedModel, steps: int = 4) -> tuple[torch.Tensor, ...]:
+    """The logits of every step of a greedy ``generate`` of `steps` tokens after two fixed
+    prompts of 6 tokens (ids below `VOCAB`)."""
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    run: Any = model  # generate is not typed for mypy
+    with torch.inference_mode():
+        out = run.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps,
+                           min_new_tokens=steps, do_sample=False, pad_token_id=0, output_scores=True,
+                           return_dict_in_generate=True)
+    scores: tuple[torch.Tensor, ...] = out.scores
+    return scores
 
 
 def save(model: PreTrainedModel, directory: Path, *, sharded: bool) -> Path:

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from offload import OffloadConfig, Placement
 from offload.hf import offload_model
+from tests.hf.checkpoints import VOCAB, step_logits
 
-VOCAB = 96
 STEPS = 4
 _COMMON: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
                            "num_attention_heads": 4, "max_position_embeddings": 64}
@@ -59,17 +59,6 @@ def _build(arch: str) -> PreTrainedModel:
     return model
 
 
-def _step_logits(model: PreTrainedModel) -> tuple[torch.Tensor, ...]:
-    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
-    run: Any = model  # generate is not typed for mypy
-    with torch.inference_mode():
-        out = run.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS,
-                           min_new_tokens=STEPS, do_sample=False, pad_token_id=0, output_scores=True,
-                           return_dict_in_generate=True)
-    scores: tuple[torch.Tensor, ...] = out.scores
-    return scores
-
-
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_every_generate_step_equals_the_resident_model(arch: str, backend: str) -> None:
@@ -78,8 +67,8 @@ def test_every_generate_step_equals_the_resident_model(arch: str, backend: str) 
     off = offload_model(model, BACKENDS[backend])
     placements = {p.placement for p in off.plan.offloaded_params}
     assert placements == {Placement.PREFETCH if backend == "prefetch" else Placement.ON_DEMAND}
-    want = _step_logits(reference)
-    got = _step_logits(model)
+    want = step_logits(reference)
+    got = step_logits(model)
     assert len(got) == len(want) == STEPS
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"{arch} {backend}: step {step} differs by {(a - b).abs().max().item()}"
