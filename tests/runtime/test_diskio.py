@@ -344,6 +344,29 @@ def test_a_callers_fd_is_read_as_it_was_opened_and_left_open(sample: tuple[Path,
         os.close(direct)
 
 
+def test_a_callers_o_direct_fd_its_filesystem_refuses_is_an_error_naming_it(sample: tuple[Path, bytes]) -> None:
+    """The reader cannot reopen an fd without its path (it reads no /proc): it says to pass
+    the path, and the fd stays the caller's, open."""
+    path, data = sample
+
+    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if is_direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.preadv(fd, buffers, offset)
+
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with DiskReader(threads=1, chunk_bytes=BLOCK_BYTES, ops=FileOps(preadv=refuse_direct)) as reader:
+            with pytest.raises(ExecutionError, match="was opened with O_DIRECT, which its filesystem refuses: pass "
+                                                     "its path instead"):
+                read_bytes(reader, direct, 0, 10)
+            assert read_bytes(reader, path, 0, 10) == data[:10]  # by its path: read buffered
+            assert reader.mode_of(path) is ReadMode.BUFFERED
+        assert os.fstat(direct).st_size == SIZE
+    finally:
+        os.close(direct)
+
+
 def test_destinations_that_are_not_exactly_the_bytes_are_refused(reader: DiskReader,
                                                                  sample: tuple[Path, bytes]) -> None:
     path, _ = sample
