@@ -103,9 +103,10 @@ class Unpacked:
     def pack(self) -> None:
         """Put every wrapper back on its module, over its inner tensors' data as they are
         now (after restore: bit for bit what they were, on their devices), with each
-        module's class and its parameters' order as they were. Idempotent."""
+        module's class and its parameters' order as they were. Idempotent, and a retry
+        after a failure finishes the rest (an entry is forgotten once packed)."""
         while self._entries:
-            module, leaf, wrapper, names = self._entries.pop()
+            module, leaf, wrapper, names = self._entries[-1]
             originals = getattr(module, PARAMETRIZATIONS)[leaf]
             for index, name in enumerate(names):
                 setattr(wrapper, name, getattr(originals, f"original{index}").data)
@@ -114,6 +115,7 @@ class Unpacked:
             module._buffers.pop(leaf, None)
             module._parameters.pop(leaf, None)
             module._parameters[leaf] = wrapper  # type: ignore[assignment]  # a Parameter that is a wrapper
+            self._entries.pop()
         for module, order in self._orders.values():
             params = module._parameters
             held = {key: params.pop(key) for key in list(params)}
