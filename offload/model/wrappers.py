@@ -36,6 +36,13 @@ PARAMETRIZATIONS = "parametrizations"
 Pairs = Sequence[tuple[str, torch.Tensor | None]]
 
 
+def _unpacks(tensor: torch.Tensor | None) -> bool:
+    """Whether `tensor` is a wrapper `expand_wrappers` expands (plain Parameters and tensors,
+    the most of them, told apart by type first)."""
+    return tensor is not None and type(tensor) is not nn.Parameter and type(tensor) is not torch.Tensor \
+        and is_wrapper(tensor)
+
+
 def is_wrapper(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a wrapper subclass: its data live in inner tensors
     (``__tensor_flatten__``), not in a storage of its own (a plain Python subclass of
@@ -131,7 +138,7 @@ def expand_wrappers(layer_index: int, pairs: Pairs) -> list[tuple[str, torch.Ten
     """
     expansions: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in pairs:
-        if tensor is None or type(tensor) is nn.Parameter or type(tensor) is torch.Tensor or not is_wrapper(tensor):
+        if tensor is None or not _unpacks(tensor):
             continue
         prefix, _, leaf = name.rpartition(".")
         names = inner_names(layer_index, name, tensor)
@@ -157,8 +164,7 @@ def expand_wrappers(layer_index: int, pairs: Pairs) -> list[tuple[str, torch.Ten
     out: list[tuple[str, torch.Tensor | None]] = []
     for i, (name, tensor) in enumerate(pairs):
         prefix = name.rpartition(".")[0]
-        if not (prefix in expansions and tensor is not None and type(tensor) is not nn.Parameter
-                and type(tensor) is not torch.Tensor and is_wrapper(tensor)):
+        if not (prefix in expansions and _unpacks(tensor)):
             out.append((name, tensor))
         # Deeper modules first: a child's parametrisations lie among its parent's children.
         for ending in sorted(ends.get(i, ()), key=lambda p: (-p.count(".") if p else 1, p)):

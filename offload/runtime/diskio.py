@@ -302,18 +302,16 @@ class DiskReader:
             return self._files[key]
 
     def _fall_back(self, file: _File, fd: int) -> None:
-        """`file` refused its first ``O_DIRECT`` read on `fd`: read it buffered from now on (`fd`
-        stays open until `close`, other chunks may be reading it). A caller's fd cannot be
-        reopened without its path: refused, saying so."""
+        """`file` refused its first ``O_DIRECT`` read on `fd`: read it buffered from now on (`fd` stays
+        open until `close`, other chunks may be reading it); a caller's fd, without its path, is refused."""
         with self._lock:
             if file.fd != fd:
                 return  # another chunk fell back first
             if not file.owned:
                 raise ExecutionError(f"{file.name} was opened with O_DIRECT, which its filesystem refuses: pass its "
                                      "path instead (the reader then reads it buffered)", name=file.name, value=fd)
-            buffered = self._ops.open(file.name, os.O_RDONLY)
-            file.retired += [fd] * file.owned
-            file.fd, file.mode, file.owned = buffered, ReadMode.BUFFERED, True
+            file.retired.append(fd)
+            file.fd, file.mode = self._ops.open(file.name, os.O_RDONLY), ReadMode.BUFFERED
         log.info("%s refused an O_DIRECT read; reading it buffered, dropping its pages after", file.name)
 
     def _read_chunk(self, file: _File, handle: ReadHandle, start: int, end: int) -> tuple[str, int]:

@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.errors import ExecutionError, PlanError
 from offload.executors.conversions import same_memory
-from offload.model.wrappers import PARAMETRIZATIONS, inner_names, is_wrapper
+from offload.model.wrappers import PARAMETRIZATIONS, inner_names, inner_tensors, is_wrapper
 
 __all__ = ["Unpacked", "has_wrappers", "unpack"]
 
@@ -169,7 +169,7 @@ def _wrapper_apply(original: Callable[..., Any], module: nn.Module, weight: str)
         wrapper = module()
         converted = fn(wrapper)
         if converted is wrapper or (type(converted) is type(wrapper) and all(
-                same_memory(a, b) for a, b in zip(_inner(converted), _inner(wrapper), strict=True))):
+                same_memory(a, b) for a, b in zip(inner_tensors(converted), inner_tensors(wrapper), strict=True))):
             return module
         raise ExecutionError(
             f"cannot convert the quantised weight {weight!r} while it is offloaded (the conversion changes its "
@@ -177,11 +177,6 @@ def _wrapper_apply(original: Callable[..., Any], module: nn.Module, weight: str)
             "converted before this one stay converted", name=weight, value=type(wrapper).__qualname__)
 
     return apply
-
-
-def _inner(wrapper: torch.Tensor) -> list[torch.Tensor]:
-    names, _ = wrapper.__tensor_flatten__()  # type: ignore[attr-defined]  # the subclass protocol
-    return [getattr(wrapper, name) for name in names]
 
 
 def unpack(layers: Sequence[nn.Module]) -> Unpacked:
