@@ -35,6 +35,11 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see --help)")
 
 
+#: The disk read rate ``offload plan --host-gib`` assumes without ``--disk-gbps``, GB/s:
+#: the plain O_DIRECT sequential read of this project's CI machine (docs/disk.md).
+DEFAULT_DISK_GBPS = 1.5
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -136,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--profile", choices=sorted(PROFILES), help="the target device's speeds, for the estimate")
     plan.add_argument("--link-gbps", type=number, help="measured pinned host-to-device GB/s (overrides the profile's)")
     plan.add_argument("--tflops", type=number, help="achieved dense bf16 TFLOP/s (overrides the profile's)")
+    plan.add_argument("--host-gib", type=positive_gib,
+                      help="prefetch: host GiB the offloaded weights may take; the last offloaded layers that do "
+                      "not fit go to disk (shown as a third tier; no executor runs it yet)")
+    plan.add_argument("--disk-gbps", type=number, help=f"with --host-gib: the disk's read GB/s for the estimate "
+                      f"(default {DEFAULT_DISK_GBPS:g}, assumed)")
+    plan.add_argument("--read-ahead", type=positive_int, default=2,
+                      help="with --host-gib: host staging buffers disk reads fill ahead (default 2)")
 
     demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")
     demo.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default: auto (CUDA if available)")

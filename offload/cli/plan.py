@@ -4,18 +4,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import attrs
 
 from offload.cli._shared import UserError, capture, count_of
 from offload.cli.parser import (
+    DEFAULT_DISK_GBPS,
     DEFAULT_PREFETCH,
     DEFAULT_SOURCE,
     gib_bytes,
 )
 from offload.errors import ConfigError, PlanError
 from offload.pure.config import OffloadConfig
+from offload.pure.disk.render import render_disk_tier
+from offload.pure.disk.tier import DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot, Platform
 from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.profiles import (
@@ -28,6 +32,7 @@ from offload.pure.fit.profiles import (
 from offload.pure.fit.render import render_estimate, render_fit
 from offload.pure.fit.search import fit
 from offload.pure.plan.make import make_plan
+from offload.pure.plan.plan import OffloadPlan
 from offload.pure.plan.render import render_plan
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.spec.safetensors import printable
@@ -203,6 +208,30 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     return 0
 
 
+def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec) -> DiskTierPlan | None:
+    """The disk tier ``--host-gib`` asks for (None without it): a checkpoint's parameters
+    read from its files where they lie as the model holds them; a preset's all spilled."""
+    if args.host_gib is None:
+        if args.disk_gbps is not None:
+            raise UserError("offload plan: --disk-gbps needs --host-gib")
+        return None
+    if args.host_gib == 0:
+        raise UserError("offload plan: --host-gib must be greater than 0")
+    if args.disk_gbps is not None and args.disk_gbps <= 0:
+        raise UserError("offload plan: --disk-gbps must be greater than 0")
+    found = None
+    if os.path.exists(args.source):
+        from offload.model.checkpoint import checkpoint_extents
+
+        found = checkpoint_extents(args.source)
+    return plan_disk_tier(
+        plan, host_budget_bytes=gib_bytes(args.host_gib),
+        disk_gbps=args.disk_gbps if args.disk_gbps is not None else DEFAULT_DISK_GBPS, read_ahead=args.read_ahead,
+        layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
+        tensors=found.tensors if found is not None else None, extents=found.extents if found is not None else None,
+        files=found.files if found is not None else ())
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     _take_source(args)
     profile = _profile(args)
@@ -219,8 +248,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if profile is not None:
         env = planning_env(env, profile)
     plan = make_plan(spec, config, env)
+    tier = _disk_tier(args, plan, spec)
     if args.json:
-        print(plan.to_json(indent=2))
+        if tier is None:
+            print(plan.to_json(indent=2))
+        else:
+            print(json.dumps({"plan": json.loads(plan.to_json()), "disk": json.loads(tier.to_json())}, indent=2))
         return 0
     platform = env.platform
     device = (
@@ -236,6 +269,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
         )
     print(render_plan(plan, per_param=args.params))
+    if tier is not None:
+        print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
     if profile is not None:
         print()
         print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")

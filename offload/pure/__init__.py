@@ -12,6 +12,8 @@ The map (each room imports only the rooms above it):
   revision, warnings, rendering.
 - `fit`: device profiles, the step estimate, the fit search.
 - `sharing`: who shares host copies with whom, the job's host memory.
+- `disk`: the disk tier: which offloaded layers live on disk, read from where, and the
+  staging ring.
 - beside them: `config` (`OffloadConfig`), `check` (what `check()` finds), `stats`
   (`OffloadStats`), and the shared helpers `_checks`, `_slots`, `serialize`, `units`.
 

@@ -1,0 +1,60 @@
+"""A disk tier for people: the three tiers' bytes, the ring, and why parameters spill."""
+
+from __future__ import annotations
+
+from offload.pure.disk.tier import DiskSource, DiskTierPlan
+from offload.pure.units import format_bytes
+
+__all__ = ["render_disk_tier"]
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for value in sorted(values):
+        if out and out[-1].rsplit("-", 1)[-1] == str(value - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{value}"
+        else:
+            out.append(str(value))
+    return ", ".join(out)
+
+
+def render_disk_tier(tier: DiskTierPlan, *, device_bytes: int) -> str:
+    """The disk tier in a few lines: which layers, host memory against its budget, what is
+    read from where per pass and how long that takes at the disk's rate.
+
+    Args:
+        tier: the disk tier.
+        device_bytes: the device tier's bytes (resident weights and buffers), for the
+            three-tier line.
+    """
+    disk = len(tier.disk_layers)
+    lines = [
+        f"tiers:    device {format_bytes(device_bytes)}, host {format_bytes(tier.host_tier_bytes)}, "
+        f"disk {format_bytes(tier.disk_bytes)}",
+    ]
+    if not disk:
+        lines.append(f"disk:     none: the offloaded weights fit the host budget of "
+                     f"{format_bytes(tier.host_budget_bytes)}")
+        return "\n".join(lines)
+    lines.append(
+        f"disk:     {disk} layer{'s' if disk != 1 else ''} on disk (layers {_ranges(tier.disk_layers)}), read "
+        f"{tier.lead} cop{'ies' if tier.lead != 1 else 'y'} ahead into {tier.read_ahead} staging buffers of "
+        f"{format_bytes(tier.staging_bytes)}")
+    lines.append(
+        f"host:     {format_bytes(tier.host_tier_bytes)} of host copies + {format_bytes(tier.staging_ring_bytes)} "
+        f"staging = {format_bytes(tier.host_bytes)} (budget {format_bytes(tier.host_budget_bytes)})")
+    mapped = tier.disk_bytes - tier.spill_bytes
+    lines.append(
+        f"reads:    {format_bytes(mapped)} per pass from the checkpoint as it lies ({len(tier.files)} "
+        f"file{'s' if len(tier.files) != 1 else ''}), {format_bytes(tier.spill_bytes)} from a spill file written "
+        f"once; at {tier.disk_gbps:g} GB/s a pass reads for at least {tier.read_seconds * 1e3:.1f} ms")
+    reasons: dict[str, int] = {}
+    for p in tier.params:
+        if p.source is DiskSource.SPILL:
+            reasons[p.reason] = reasons.get(p.reason, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0]))[:3]:
+        lines.append(f"spill:    {count} parameter{'s' if count != 1 else ''}: {reason}")
+    if len(reasons) > 3:
+        lines.append(f"spill:    ... and {len(reasons) - 3} other reasons")
+    return "\n".join(lines)

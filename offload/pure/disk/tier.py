@@ -1,0 +1,315 @@
+"""The disk tier of a prefetch plan: which offloaded layers live on disk, where each of
+their parameters' bytes is read from, and the ring of host staging buffers.
+
+**Which layers.** Host memory holds the offloaded layers' copies (`OffloadPlan.host_bytes`);
+with a host budget smaller than that, the last offloaded layers in execution order go to
+disk, as few as make the host tier plus the staging ring fit. A kept position (the only
+owner of its slot, loaded once: `PrefetchSchedule.kept_positions`) is never put on disk:
+it is read once and then only for restore, so its host copy buys nothing back per step;
+nor is a layer whose host copies another layer shares (a tie across layers).
+
+**Where from.** A parameter whose bytes in the checkpoint are exactly what the model
+holds (`offload.pure.spec.extents.unmappable` says None) is read from there
+(`DiskSource.CHECKPOINT`, its `DiskExtent`); any other one (converted at load, renamed,
+fused, no checkpoint tensor of its name, or a model that came from no checkpoint) is
+written once to a spill file (`DiskSource.SPILL`, with the reason).
+
+**The ring.** Disk layers are read into `read_ahead` host staging buffers of
+`staging_bytes` each (the largest disk layer), in `read_order`: the order a pass issues
+their device copies (`PrefetchSchedule.issued_after`). The buffers are used round robin
+over the continuing sequence of reads, pass after pass, and read ``n`` is issued once the
+device copy out of read ``n - read_ahead`` has completed: a buffer is never refilled
+while a copy reads it (by construction), and each read starts ``min(read_ahead, disk
+layers)`` copies ahead of its own. `check_read_order` proves what this rests on.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from offload.errors import PlanError
+from offload.pure._checks import int_at_least, tuple_of, tuple_of_ints
+from offload.pure.plan.plan import Backend, OffloadPlan
+from offload.pure.serialize import from_data, parse_json, short_repr, to_data
+from offload.pure.spec.extents import DiskExtent, FileIdentity, unmappable
+from offload.pure.spec.safetensors import TensorHeader
+from offload.pure.spec.values import ParamSpec
+
+__all__ = ["DISK_FORMAT", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order", "plan_disk_tier"]
+
+#: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
+DISK_FORMAT = "offload-disk-tier/1"
+
+
+class DiskSource(enum.Enum):
+    """Where a disk parameter's bytes are read from."""
+
+    CHECKPOINT = "checkpoint"  # the checkpoint's own bytes, as they lie
+    SPILL = "spill"  # a file the offloader writes once
+
+
+@attrs.frozen(kw_only=True)
+class DiskParam:
+    """One parameter of a disk layer.
+
+    Attributes:
+        layer: its layer's index.
+        name: its name in the layer.
+        nbytes: bytes read per pass.
+        source: where from.
+        extent: CHECKPOINT: its bytes in the checkpoint; SPILL: None (the spill file's
+            layout is the offloader's).
+        reason: SPILL: why it is not read from the checkpoint; CHECKPOINT: empty.
+    """
+
+    layer: int = attrs.field(validator=int_at_least(0, PlanError))
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    nbytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    source: DiskSource = attrs.field(validator=attrs.validators.instance_of(DiskSource))
+    extent: DiskExtent | None = None
+    reason: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        mapped = self.source is DiskSource.CHECKPOINT
+        if mapped != (self.extent is not None) or mapped == bool(self.reason):
+            raise PlanError(f"layer {self.layer} parameter {self.name!r}: a {self.source.value} parameter has "
+                            f"{'an extent and no reason' if mapped else 'a reason and no extent'}, got extent "
+                            f"{self.extent!r} and reason {self.reason!r}", name=self.name, value=self.layer)
+        if self.extent is not None and self.extent.length != self.nbytes:
+            raise PlanError(f"layer {self.layer} parameter {self.name!r}: {self.nbytes} bytes, but its extent holds "
+                            f"{self.extent.length}", name=self.name, value=self.extent.length)
+
+
+def check_read_order(read_order: Sequence[int], issued: Sequence[int | None], disk: Sequence[int]) -> None:
+    """Prove what the ring rests on: every disk position is read exactly once per pass, in
+    the order the pass issues the device copies (so a read never waits on a copy that
+    comes after its own).
+
+    Args:
+        read_order: the disk positions in read order.
+        issued: `PrefetchSchedule.issued_after` (the copy each position's forward issues).
+        disk: the disk positions.
+
+    Raises:
+        PlanError: a disk position read twice or never, a position read that is not on
+            disk, or reads out of the copies' order.
+    """
+    if sorted(read_order) != sorted(set(disk)) or len(set(read_order)) != len(read_order):
+        raise PlanError(f"read order {list(read_order)} does not read each disk position {sorted(set(disk))} "
+                        "exactly once", name="read_order", value=tuple(read_order))
+    copies = [target for target in issued if target is not None and target in set(disk)]
+    if copies != list(read_order):
+        raise PlanError(f"read order {list(read_order)} is not the order the pass copies its disk positions "
+                        f"({copies})", name="read_order", value=tuple(read_order))
+
+
+def _read_order_valid(instance: DiskTierPlan, attribute: attrs.Attribute[tuple[int, ...]],
+                      value: tuple[int, ...]) -> None:
+    if len(set(value)) != len(value):
+        raise PlanError(f"read order {list(value)} names a position twice", name="read_order", value=value)
+
+
+@attrs.frozen(kw_only=True)
+class DiskTierPlan:
+    """Which offloaded layers of a prefetch plan live on disk, and how they are read.
+
+    Attributes:
+        host_budget_bytes: host memory the offloaded weights and the staging ring may take.
+        disk_gbps: the disk's read rate the estimate assumes, in GB/s (1e9 bytes).
+        read_ahead: host staging buffers in the ring (reads in flight ahead of the copies).
+        disk_positions: the schedule positions on disk, in execution order.
+        disk_layers: their layer indices, in the same order.
+        read_order: the disk positions in the order a pass reads (and copies) them.
+        params: every parameter of the disk layers.
+        files: the checkpoint files read, as planned (compared before each run).
+        staging_bytes: bytes of each staging buffer (the largest disk layer's).
+        host_tier_bytes: bytes of the offloaded layers kept in host memory.
+        disk_bytes: bytes read from disk per pass.
+        spill_bytes: bytes of the disk layers that go to a spill file.
+    """
+
+    host_budget_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    disk_gbps: float = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of(float),
+                                                                   attrs.validators.gt(0.0)))
+    read_ahead: int = attrs.field(validator=int_at_least(1, PlanError))
+    disk_positions: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    disk_layers: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    read_order: tuple[int, ...] = attrs.field(validator=[tuple_of_ints(0, PlanError), _read_order_valid])
+    params: tuple[DiskParam, ...] = attrs.field(validator=tuple_of(DiskParam, PlanError))
+    files: tuple[FileIdentity, ...] = attrs.field(validator=tuple_of(FileIdentity, PlanError))
+    staging_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    host_tier_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    disk_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    spill_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.disk_layers) != len(self.disk_positions):
+            raise PlanError(f"{len(self.disk_positions)} disk positions but {len(self.disk_layers)} disk layers",
+                            name="disk_layers", value=self.disk_layers)
+        if sorted(self.read_order) != sorted(self.disk_positions):
+            raise PlanError(f"read order {list(self.read_order)} is not the disk positions "
+                            f"{list(self.disk_positions)}", name="read_order", value=self.read_order)
+        layers = set(self.disk_layers)
+        stray = next((p for p in self.params if p.layer not in layers), None)
+        if stray is not None:
+            raise PlanError(f"parameter {stray.name!r} of layer {stray.layer} is not in a disk layer",
+                            name=stray.name, value=stray.layer)
+        per_layer: dict[int, int] = {}
+        for p in self.params:
+            per_layer[p.layer] = per_layer.get(p.layer, 0) + p.nbytes
+        if sum(per_layer.values()) != self.disk_bytes:
+            raise PlanError(f"disk bytes {self.disk_bytes} are not the disk parameters' {sum(per_layer.values())}",
+                            name="disk_bytes", value=self.disk_bytes)
+        if max(per_layer.values(), default=0) > self.staging_bytes:
+            raise PlanError(f"a disk layer of {max(per_layer.values())} bytes does not fit a staging buffer of "
+                            f"{self.staging_bytes}", name="staging_bytes", value=self.staging_bytes)
+        spilled = sum(p.nbytes for p in self.params if p.source is DiskSource.SPILL)
+        if spilled != self.spill_bytes:
+            raise PlanError(f"spill bytes {self.spill_bytes} are not the spilled parameters' {spilled}",
+                            name="spill_bytes", value=self.spill_bytes)
+        known = {f.path for f in self.files}
+        unknown = next((p for p in self.params if p.extent is not None and p.extent.path not in known), None)
+        if unknown is not None and unknown.extent is not None:
+            raise PlanError(f"parameter {unknown.name!r} of layer {unknown.layer} reads {unknown.extent.path!r}, "
+                            "which the plan does not identify", name=unknown.name, value=unknown.extent.path)
+
+    @property
+    def staging_ring_bytes(self) -> int:
+        """Host bytes of the staging ring (0 without disk layers)."""
+        return self.read_ahead * self.staging_bytes if self.disk_positions else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the offloaded weights take: the host tier and the staging ring."""
+        return self.host_tier_bytes + self.staging_ring_bytes
+
+    @property
+    def lead(self) -> int:
+        """How many device copies ahead of its own each read is issued (0 without disk layers)."""
+        return min(self.read_ahead, len(self.disk_positions))
+
+    @property
+    def read_seconds(self) -> float:
+        """Seconds a pass spends reading the disk at `disk_gbps`: no step is faster."""
+        return self.disk_bytes / (self.disk_gbps * 1e9)
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Serialise without loss; `DiskTierPlan.from_json` reads it back equal."""
+        return json.dumps({"format": DISK_FORMAT, "disk": to_data(self)}, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DiskTierPlan:
+        """Read a disk tier written by `to_json` (untrusted text: every failure a `PlanError`).
+
+        Raises:
+            PlanError: not JSON of this format, or a value breaks a rule.
+        """
+        document = parse_json(text)
+        if not isinstance(document, dict) or document.get("format") != DISK_FORMAT:
+            found = document.get("format") if isinstance(document, dict) else type(document).__name__
+            raise PlanError(f"not an {DISK_FORMAT} document (format is {short_repr(found)})", name="format",
+                            value=found)
+        return from_data(cls, document.get("disk"))
+
+
+def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
+    """Host bytes of each offloaded layer (each storage once: a tie's copy is its owner's)."""
+    found: dict[int, int] = {}
+    for p in plan.offloaded_params:
+        if p.tied_to is None:
+            found[p.layer] = found.get(p.layer, 0) + p.param.nbytes
+    return found
+
+
+def _disk_param(layer: int, full: str | None, param: ParamSpec, tensors: Mapping[str, TensorHeader],
+                extents: Mapping[str, DiskExtent]) -> DiskParam:
+    """Where `param` (of `layer`, named `full` in the checkpoint, or None without one) is read from."""
+    name, nbytes = param.name, param.nbytes
+    header = tensors.get(full) if full is not None else None
+    extent = extents.get(full) if full is not None else None
+    if header is None or extent is None:
+        why = "no checkpoint" if full is None else f"no checkpoint tensor named {full!r}"
+        return DiskParam(layer=layer, name=name, nbytes=nbytes, source=DiskSource.SPILL, reason=why)
+    reason = unmappable(param, header)
+    if reason is not None:
+        return DiskParam(layer=layer, name=name, nbytes=nbytes, source=DiskSource.SPILL, reason=reason)
+    return DiskParam(layer=layer, name=name, nbytes=nbytes, source=DiskSource.CHECKPOINT, extent=extent)
+
+
+def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: float, read_ahead: int = 2,
+                   layer_names: Sequence[str] = (), tensors: Mapping[str, TensorHeader] | None = None,
+                   extents: Mapping[str, DiskExtent] | None = None,
+                   files: Sequence[FileIdentity] = ()) -> DiskTierPlan:
+    """Put as few of `plan`'s offloaded layers on disk as make host memory fit
+    `host_budget_bytes` (see the module docstring).
+
+    Args:
+        plan: a prefetch plan.
+        host_budget_bytes: host memory the offloaded weights and the staging ring may take.
+        disk_gbps: the disk's read rate, GB/s, for `DiskTierPlan.read_seconds`.
+        read_ahead: staging buffers in the ring (at least 1).
+        layer_names: each layer's name in the checkpoint (``model.layers.3``), which
+            prefixes its parameters' names there; empty: the model came from no
+            checkpoint, and every disk parameter is spilled.
+        tensors, extents: the checkpoint's tensors and where they lie, by full name
+            (`offload.model.checkpoint.checkpoint_extents`).
+        files: the checkpoint's files, as they were read.
+
+    Raises:
+        PlanError: the plan is not a prefetch plan; `read_ahead` is below 1 or `disk_gbps`
+            not positive; `layer_names` does not name every layer; the budget does not fit
+            even with every layer that can be on disk there (the numbers say by how much).
+    """
+    if plan.backend is not Backend.PREFETCH:
+        raise PlanError(f"the disk tier streams through the prefetch backend's slots; this plan's backend is "
+                        f"{plan.backend.value}", name="backend", value=plan.backend.value)
+    if read_ahead < 1 or not disk_gbps > 0:
+        raise PlanError(f"read_ahead must be at least 1 and disk_gbps positive, got {read_ahead} and {disk_gbps}",
+                        name="read_ahead" if read_ahead < 1 else "disk_gbps",
+                        value=read_ahead if read_ahead < 1 else disk_gbps)
+    if layer_names and len(layer_names) != plan.num_layers:
+        raise PlanError(f"{len(layer_names)} layer names for {plan.num_layers} layers", name="layer_names",
+                        value=len(layer_names))
+    layer_bytes = _layer_bytes(plan)
+    positions = plan.offloaded_layers
+    kept = plan.schedule.kept_positions
+    # A layer sharing a host copy with another layer stays in host memory with it.
+    tied = {layer for p in plan.offloaded_params if p.tied_to is not None and p.tied_to[0] != p.layer
+            for layer in (p.layer, p.tied_to[0])}
+    candidates = [i for i in range(len(positions)) if i not in kept and positions[i] not in tied]
+    chosen: list[int] = []
+    total = sum(layer_bytes.get(layer, 0) for layer in positions)
+    for count in range(len(candidates) + 1):
+        chosen = sorted(candidates[len(candidates) - count:])
+        on_disk = [layer_bytes.get(positions[i], 0) for i in chosen]
+        ring = read_ahead * max(on_disk, default=0)
+        if total - sum(on_disk) + ring <= host_budget_bytes:
+            break
+    else:
+        raise PlanError(
+            f"host budget {host_budget_bytes} bytes does not fit the offloaded weights: with every one of the "
+            f"{len(candidates)} layers that can be on disk there, the host still holds {total - sum(on_disk)} bytes "
+            f"of kept layers and a staging ring of {ring} bytes ({read_ahead} x the largest disk layer)",
+            name="host_budget_bytes", value=host_budget_bytes)
+    disk = tuple(chosen)
+    disk_layers = tuple(positions[i] for i in disk)
+    on = set(disk_layers)
+    params = tuple(
+        _disk_param(p.layer, f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None, p.param,
+                    tensors or {}, extents or {})
+        for p in plan.offloaded_params if p.layer in on and p.tied_to is None)
+    read_order = tuple(t for t in plan.schedule.issued_after if t is not None and t in set(disk))
+    check_read_order(read_order, plan.schedule.issued_after, disk)
+    used = {p.extent.path for p in params if p.extent is not None}
+    disk_bytes = sum(p.nbytes for p in params)
+    return DiskTierPlan(
+        host_budget_bytes=host_budget_bytes, disk_gbps=float(disk_gbps), read_ahead=read_ahead,
+        disk_positions=disk, disk_layers=disk_layers, read_order=read_order, params=params,
+        files=tuple(f for f in files if f.path in used),
+        staging_bytes=max((layer_bytes.get(layer, 0) for layer in disk_layers), default=0),
+        host_tier_bytes=total - disk_bytes, disk_bytes=disk_bytes,
+        spill_bytes=sum(p.nbytes for p in params if p.source is DiskSource.SPILL))

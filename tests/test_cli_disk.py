@@ -1,0 +1,63 @@
+"""``offload plan --host-gib``: the disk tier of a checkpoint's plan, as text and as JSON
+(both documents read back by their own readers), and the flags refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload import OffloadPlan
+from offload.cli import main
+from offload.pure.disk.tier import DiskSource, DiskTierPlan
+from offload.pure.units import GIB
+from tests.hf.checkpoints import build, save
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save(build("llama"), tmp_path_factory.mktemp("disk"), sharded=True)
+
+
+def test_a_host_budget_puts_the_last_layers_on_disk_read_from_the_checkpoint(
+        capsys: pytest.CaptureFixture[str], checkpoint: Path) -> None:
+    code, out, err = _run(capsys, "plan", str(checkpoint), "--group-size", "1", "--prefetch-step", "2", "--json",
+                          "--host-gib", f"{100_000 / GIB}", "--disk-gbps", "1.6")
+    assert code == 0, err
+    document = json.loads(out)
+    plan = OffloadPlan.from_json(json.dumps(document["plan"]))
+    tier = DiskTierPlan.from_json(json.dumps(document["disk"]))
+    assert tier.host_bytes <= 100_000 < plan.host_bytes
+    assert tier.disk_layers == plan.offloaded_layers[len(plan.offloaded_layers) - len(tier.disk_layers):]
+    assert tier.disk_gbps == 1.6 and tier.spill_bytes == 0
+    assert {p.source for p in tier.params} == {DiskSource.CHECKPOINT}
+    code, text, err = _run(capsys, "plan", str(checkpoint), "--group-size", "1", "--prefetch-step", "2",
+                           "--host-gib", f"{100_000 / GIB}", "--disk-gbps", "1.6")
+    assert code == 0, err
+    assert f"disk:     {len(tier.disk_layers)} layers on disk" in text
+    assert "from the checkpoint as it lies" in text and "at 1.6 GB/s a pass reads for at least" in text
+
+
+def test_a_preset_has_no_checkpoint_and_spills_every_disk_parameter(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "plan", "llama-8b", "--group-size", "2", "--host-gib", "4")
+    assert code == 0, err
+    assert "spill:    " in out and "parameters: no checkpoint" in out
+    assert "at 1.5 GB/s" in out  # the default, assumed
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--disk-gbps", "2"), "--disk-gbps needs --host-gib"),
+    (("--host-gib", "0"), "--host-gib must be greater than 0"),
+    (("--host-gib", "1", "--disk-gbps", "0"), "--disk-gbps must be greater than 0"),
+])
+def test_disk_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+                                        message: str) -> None:
+    code, _, err = _run(capsys, "plan", "llama-8b", *argv)
+    assert code != 0 and message in err
