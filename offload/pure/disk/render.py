@@ -39,8 +39,8 @@ def render_disk_tier(tier: DiskTierPlan, *, device_bytes: int) -> str:
         return "\n".join(lines)
     lines.append(
         f"disk:     {disk} layer{'s' if disk != 1 else ''} on disk (layers {_ranges(tier.disk_layers)}), read "
-        f"{tier.lead} cop{'ies' if tier.lead != 1 else 'y'} ahead into {tier.read_ahead} staging buffers of "
-        f"{format_bytes(tier.staging_bytes)}")
+        f"at least {tier.lead} cop{'ies' if tier.lead != 1 else 'y'} ahead into {tier.buffers} staging "
+        f"buffer{'s' if tier.buffers != 1 else ''} of {format_bytes(tier.staging_bytes)}")
     lines.append(
         f"host:     {format_bytes(tier.host_tier_bytes)} of host copies + {format_bytes(tier.staging_ring_bytes)} "
         f"staging = {format_bytes(tier.host_bytes)} (budget {format_bytes(tier.host_budget_bytes)})")

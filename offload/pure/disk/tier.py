@@ -14,13 +14,15 @@ holds (`offload.pure.spec.extents.unmappable` says None) is read from there
 fused, no checkpoint tensor of its name, or a model that came from no checkpoint) is
 written once to a spill file (`DiskSource.SPILL`, with the reason).
 
-**The ring.** Disk layers are read into `read_ahead` host staging buffers of
+**The ring.** Disk layers are read into at most `read_ahead` host staging buffers of
 `staging_bytes` each (the largest disk layer), in `read_order`: the order a pass issues
-their device copies (`PrefetchSchedule.issued_after`). The buffers are used round robin
-over the continuing sequence of reads, pass after pass, and read ``n`` is issued once the
-device copy out of read ``n - read_ahead`` has completed: a buffer is never refilled
-while a copy reads it (by construction), and each read starts ``min(read_ahead, disk
-layers)`` copies ahead of its own. `check_read_order` proves what this rests on.
+their device copies (`PrefetchSchedule.issued_after`). Each disk position has its own
+buffer, the same every pass (`staging`: the ``k``-th read uses buffer ``k % read_ahead``),
+so the device copy out of it is the same copy every pass, as the slot copies are (CUDA
+graphs replay them). A read is issued once the device copy out of its buffer's previous
+occupant (the nearest earlier read of that buffer, round the pass) has completed: a buffer
+is never refilled while a copy reads it, and read ``k`` starts `DiskTierPlan.lead_of` ``k``
+copies ahead of its own. `check_read_order` proves the reads go in the copies' order.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class DiskTierPlan:
         disk_positions: the schedule positions on disk, in execution order.
         disk_layers: their layer indices, in the same order.
         read_order: the disk positions in the order a pass reads (and copies) them.
+        staging: ``staging[k]``: the staging buffer read ``k`` (of `read_order`) fills.
         params: every parameter of the disk layers.
         files: the checkpoint files read, as planned (compared before each run).
         staging_bytes: bytes of each staging buffer (the largest disk layer's).
@@ -139,6 +142,7 @@ class DiskTierPlan:
     disk_positions: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     disk_layers: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     read_order: tuple[int, ...] = attrs.field(validator=[tuple_of_ints(0, PlanError), _read_order_valid])
+    staging: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     params: tuple[DiskParam, ...] = attrs.field(validator=tuple_of(DiskParam, PlanError))
     files: tuple[FileIdentity, ...] = attrs.field(validator=tuple_of(FileIdentity, PlanError))
     staging_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
@@ -153,6 +157,9 @@ class DiskTierPlan:
         if sorted(self.read_order) != sorted(self.disk_positions):
             raise PlanError(f"read order {list(self.read_order)} is not the disk positions "
                             f"{list(self.disk_positions)}", name="read_order", value=self.read_order)
+        if self.staging != tuple(k % self.read_ahead for k in range(len(self.read_order))):
+            raise PlanError(f"staging {list(self.staging)} is not read k's buffer k % {self.read_ahead} for each of "
+                            f"the {len(self.read_order)} reads", name="staging", value=self.staging)
         layers = set(self.disk_layers)
         stray = next((p for p in self.params if p.layer not in layers), None)
         if stray is not None:
@@ -178,19 +185,30 @@ class DiskTierPlan:
                             "which the plan does not identify", name=unknown.name, value=unknown.extent.path)
 
     @property
+    def buffers(self) -> int:
+        """Staging buffers the ring takes: `read_ahead`, or fewer disk layers."""
+        return min(self.read_ahead, len(self.disk_positions))
+
+    @property
     def staging_ring_bytes(self) -> int:
         """Host bytes of the staging ring (0 without disk layers)."""
-        return self.read_ahead * self.staging_bytes if self.disk_positions else 0
+        return self.buffers * self.staging_bytes
 
     @property
     def host_bytes(self) -> int:
         """Host memory the offloaded weights take: the host tier and the staging ring."""
         return self.host_tier_bytes + self.staging_ring_bytes
 
+    def lead_of(self, k: int) -> int:
+        """How many device copies ahead of its own read ``k`` is issued: the distance, round
+        the pass, back to the previous read of its buffer (whose copy it waits for)."""
+        m = len(self.read_order)
+        return next(d for d in range(1, m + 1) if self.staging[(k - d) % m] == self.staging[k])
+
     @property
     def lead(self) -> int:
-        """How many device copies ahead of its own each read is issued (0 without disk layers)."""
-        return min(self.read_ahead, len(self.disk_positions))
+        """The least `lead_of` over the reads (0 without disk layers)."""
+        return min((self.lead_of(k) for k in range(len(self.read_order))), default=0)
 
     @property
     def read_seconds(self) -> float:
@@ -286,14 +304,15 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     for count in range(len(candidates) + 1):
         chosen = sorted(candidates[len(candidates) - count:])
         on_disk = [layer_bytes.get(positions[i], 0) for i in chosen]
-        ring = read_ahead * max(on_disk, default=0)
+        ring = min(read_ahead, count) * max(on_disk, default=0)
         if total - sum(on_disk) + ring <= host_budget_bytes:
             break
     else:
         raise PlanError(
             f"host budget {host_budget_bytes} bytes does not fit the offloaded weights: with every one of the "
             f"{len(candidates)} layers that can be on disk there, the host still holds {total - sum(on_disk)} bytes "
-            f"of kept layers and a staging ring of {ring} bytes ({read_ahead} x the largest disk layer)",
+            f"of kept layers and a staging ring of {ring} bytes ({min(read_ahead, len(candidates))} x the largest "
+            "disk layer)",
             name="host_budget_bytes", value=host_budget_bytes)
     disk = tuple(chosen)
     disk_layers = tuple(positions[i] for i in disk)
@@ -308,7 +327,8 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     disk_bytes = sum(p.nbytes for p in params)
     return DiskTierPlan(
         host_budget_bytes=host_budget_bytes, disk_gbps=float(disk_gbps), read_ahead=read_ahead,
-        disk_positions=disk, disk_layers=disk_layers, read_order=read_order, params=params,
+        disk_positions=disk, disk_layers=disk_layers, read_order=read_order,
+        staging=tuple(k % read_ahead for k in range(len(read_order))), params=params,
         files=tuple(f for f in files if f.path in used),
         staging_bytes=max((layer_bytes.get(layer, 0) for layer in disk_layers), default=0),
         host_tier_bytes=total - disk_bytes, disk_bytes=disk_bytes,
