@@ -49,6 +49,7 @@ __all__ = [
     "INDEX_SUFFIX",
     "MAX_HEADER_BYTES",
     "CheckpointExtents",
+    "changed_files",
     "checkpoint_extents",
     "checkpoint_files",
     "file_identity",
@@ -285,6 +286,23 @@ def checkpoint_extents(path: str | os.PathLike[str]) -> CheckpointExtents:
     if index is not None and weight_map is not None:
         check_index(weight_map, {name: file.name for name, file in owner.items()}, source=_shown(index))
     return CheckpointExtents(files=tuple(identities), extents=extents, tensors=tensors)
+
+
+def changed_files(planned: Sequence[FileIdentity]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The files of `planned` that are not as they were planned: each path with the fields
+    that differ (`FileIdentity.changes`), or ``("missing",)`` for one that cannot be read
+    now; empty when every file is as planned. What a disk tier checks before it reads."""
+    changed: list[tuple[str, tuple[str, ...]]] = []
+    for identity in planned:
+        try:
+            now = file_identity(identity.path)
+        except CheckpointError:
+            changed.append((identity.path, ("missing",)))
+            continue
+        fields = identity.changes(now)
+        if fields:
+            changed.append((identity.path, fields))
+    return tuple(changed)
 
 
 def file_identity(path: str | os.PathLike[str]) -> FileIdentity:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from offload import CheckpointError
-from offload.model.checkpoint import checkpoint_extents, checkpoint_files, file_identity
+from offload.model.checkpoint import changed_files, checkpoint_extents, checkpoint_files, file_identity
 from offload.pure.spec.extents import DiskExtent, unmappable
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.spec.values import ParamSpec
@@ -118,3 +118,13 @@ def test_the_disk_reader_reads_every_extent_bit_for_bit(tmp_path: Path, direct: 
         assert sum(handle.wait() for handle in handles) == sum(e.length for e in found.extents.values())
     for name, tensor in loaded.items():
         assert torch.equal(buffers[name].view(tensor.dtype).view(tensor.shape), tensor), name
+
+
+def test_changed_files_names_each_file_not_as_planned_and_how(tmp_path: Path) -> None:
+    path = save(build("llama"), tmp_path, sharded=True)
+    planned = checkpoint_extents(path).files
+    assert changed_files(planned) == ()
+    touched, gone = planned[0].path, planned[1].path
+    os.utime(touched, ns=(planned[0].mtime_ns, planned[0].mtime_ns + 1))
+    os.unlink(gone)
+    assert changed_files(planned) == ((touched, ("mtime_ns",)), (gone, ("missing",)))
