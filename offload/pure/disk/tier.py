@@ -15,7 +15,8 @@ fused, no checkpoint tensor of its name, or a model that came from no checkpoint
 written once to a spill file (`DiskSource.SPILL`, with the reason).
 
 **The ring.** Disk layers are read into at most `read_ahead` host staging buffers of
-`staging_bytes` each (the largest disk layer), in `read_order`: the order a pass issues
+`staging_bytes` each (the largest disk layer, its parameters on `STAGING_ALIGN`
+boundaries: `staging_layout`), in `read_order`: the order a pass issues
 their device copies (`PrefetchSchedule.issued_after`). Each disk position has its own
 buffer, the same every pass (`staging`: the ``k``-th read uses buffer ``k % read_ahead``),
 so the device copy out of it is the same copy every pass, as the slot copies are (CUDA
@@ -41,10 +42,27 @@ from offload.pure.spec.extents import DiskExtent, FileIdentity, unmappable
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.spec.values import ParamSpec
 
-__all__ = ["DISK_FORMAT", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order", "plan_disk_tier"]
+__all__ = ["DISK_FORMAT", "STAGING_ALIGN", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order",
+           "plan_disk_tier", "staging_layout"]
 
 #: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
 DISK_FORMAT = "offload-disk-tier/1"
+
+#: Where each parameter starts in its staging buffer: a multiple of this many bytes (any
+#: dtype's element, and what device copies like to start on).
+STAGING_ALIGN = 256
+
+
+def _packed(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """Offsets of `sizes` bytes packed one after the other on `STAGING_ALIGN` boundaries,
+    and the bytes they span."""
+    offsets: list[int] = []
+    end = 0
+    for size in sizes:
+        start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
+        offsets.append(start)
+        end = start + size
+    return tuple(offsets), end
 
 
 class DiskSource(enum.Enum):
@@ -129,7 +147,8 @@ class DiskTierPlan:
         staging: ``staging[k]``: the staging buffer read ``k`` (of `read_order`) fills.
         params: every parameter of the disk layers.
         files: the checkpoint files read, as planned (compared before each run).
-        staging_bytes: bytes of each staging buffer (the largest disk layer's).
+        staging_bytes: bytes of each staging buffer: the largest disk layer's parameters
+            as `staging_layout` packs them.
         host_tier_bytes: bytes of the offloaded layers kept in host memory.
         disk_bytes: bytes read from disk per pass.
         spill_bytes: bytes of the disk layers that go to a spill file.
@@ -171,8 +190,9 @@ class DiskTierPlan:
         if sum(per_layer.values()) != self.disk_bytes:
             raise PlanError(f"disk bytes {self.disk_bytes} are not the disk parameters' {sum(per_layer.values())}",
                             name="disk_bytes", value=self.disk_bytes)
-        if max(per_layer.values(), default=0) > self.staging_bytes:
-            raise PlanError(f"a disk layer of {max(per_layer.values())} bytes does not fit a staging buffer of "
+        packed = max((end for _, end in staging_layout(self).values()), default=0)
+        if packed > self.staging_bytes:
+            raise PlanError(f"a disk layer packed in {packed} bytes does not fit a staging buffer of "
                             f"{self.staging_bytes}", name="staging_bytes", value=self.staging_bytes)
         spilled = sum(p.nbytes for p in self.params if p.source is DiskSource.SPILL)
         if spilled != self.spill_bytes:
@@ -234,6 +254,15 @@ class DiskTierPlan:
         return from_data(cls, document.get("disk"))
 
 
+def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:
+    """Where each disk layer's parameters lie in its staging buffer: by layer, the offset
+    of each of its `DiskTierPlan.params` (in their order) and the bytes they span."""
+    sizes: dict[int, list[int]] = {}
+    for p in tier.params:
+        sizes.setdefault(p.layer, []).append(p.nbytes)
+    return {layer: _packed(found) for layer, found in sizes.items()}
+
+
 def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
     """Host bytes of each offloaded layer (each storage once: a tie's copy is its owner's)."""
     found: dict[int, int] = {}
@@ -293,6 +322,11 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         raise PlanError(f"{len(layer_names)} layer names for {plan.num_layers} layers", name="layer_names",
                         value=len(layer_names))
     layer_bytes = _layer_bytes(plan)
+    owned: dict[int, list[int]] = {}
+    for p in plan.offloaded_params:
+        if p.tied_to is None:
+            owned.setdefault(p.layer, []).append(p.param.nbytes)
+    staged = {layer: _packed(sizes)[1] for layer, sizes in owned.items()}  # a layer in a staging buffer
     positions = plan.offloaded_layers
     kept = plan.schedule.kept_positions
     # A layer sharing a host copy with another layer stays in host memory with it.
@@ -304,7 +338,7 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     for count in range(len(candidates) + 1):
         chosen = sorted(candidates[len(candidates) - count:])
         on_disk = [layer_bytes.get(positions[i], 0) for i in chosen]
-        ring = min(read_ahead, count) * max(on_disk, default=0)
+        ring = min(read_ahead, count) * max((staged.get(positions[i], 0) for i in chosen), default=0)
         if total - sum(on_disk) + ring <= host_budget_bytes:
             break
     else:
@@ -330,6 +364,6 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         disk_positions=disk, disk_layers=disk_layers, read_order=read_order,
         staging=tuple(k % read_ahead for k in range(len(read_order))), params=params,
         files=tuple(f for f in files if f.path in used),
-        staging_bytes=max((layer_bytes.get(layer, 0) for layer in disk_layers), default=0),
+        staging_bytes=max((staged.get(layer, 0) for layer in disk_layers), default=0),
         host_tier_bytes=total - disk_bytes, disk_bytes=disk_bytes,
         spill_bytes=sum(p.nbytes for p in params if p.source is DiskSource.SPILL))

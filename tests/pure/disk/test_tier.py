@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 from offload import EnvSnapshot, OffloadConfig, PlanError, make_plan
 from offload.model.checkpoint import checkpoint_extents, read_checkpoint
 from offload.pure.disk.render import render_disk_tier
-from offload.pure.disk.tier import DiskParam, DiskSource, DiskTierPlan, check_read_order, plan_disk_tier
+from offload.pure.disk.tier import (
+    STAGING_ALIGN,
+    DiskParam,
+    DiskSource,
+    DiskTierPlan,
+    check_read_order,
+    plan_disk_tier,
+    staging_layout,
+)
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.spec.extents import DiskExtent
 from offload.pure.spec.presets import preset_spec
@@ -36,10 +44,20 @@ def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
     return found
 
 
+def _staged(plan: OffloadPlan, layer: int) -> int:
+    """A layer's owned parameters packed one after another, each on a 256-byte boundary."""
+    end = 0
+    for p in plan.offloaded_params:
+        if p.layer == layer and p.tied_to is None:
+            end = -(-end // 256) * 256 + p.param.nbytes
+    return end
+
+
 def _host_with(plan: OffloadPlan, disk_layers: set[int], read_ahead: int) -> int:
     sizes = _layer_bytes(plan)
     on_disk = [sizes.get(layer, 0) for layer in disk_layers]
-    return sum(sizes.values()) - sum(on_disk) + min(read_ahead, len(on_disk)) * max(on_disk, default=0)
+    ring = min(read_ahead, len(on_disk)) * max((_staged(plan, layer) for layer in disk_layers), default=0)
+    return sum(sizes.values()) - sum(on_disk) + ring
 
 
 @settings(max_examples=150, deadline=None)
@@ -74,6 +92,14 @@ def test_the_fewest_last_layers_go_to_disk_and_every_byte_is_in_one_tier(spec: M
         (p.layer, p.param.name) for p in plan.offloaded_params if p.tied_to is None and p.layer in tier.disk_layers)
     assert all(p.source is DiskSource.SPILL and p.reason == "no checkpoint" for p in tier.params)
     check_read_order(tier.read_order, plan.schedule.issued_after, tier.disk_positions)
+    # Each disk layer's parameters lie apart in its staging buffer, on 256-byte boundaries.
+    layout = staging_layout(tier)
+    assert sorted(layout) == sorted(tier.disk_layers if tier.params else ())
+    for layer, (offsets, end) in layout.items():
+        layer_sizes = [p.nbytes for p in tier.params if p.layer == layer]
+        assert all(offset % STAGING_ALIGN == 0 for offset in offsets)
+        assert all(a + size <= b for a, size, b in zip(offsets, layer_sizes, offsets[1:], strict=False))
+        assert end == offsets[-1] + layer_sizes[-1] <= tier.staging_bytes
     # Each read waits for the copy out of its buffer's previous occupant: an earlier read of
     # the same buffer, round the pass, at least one read back; never two buffers of one read.
     for k in range(count):
@@ -94,7 +120,7 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, OffloadPlan, ModelSpec]:
 def test_a_checkpoints_parameters_are_read_where_they_lie(tmp_path: Path) -> None:
     path, plan, spec = _checkpoint(tmp_path)
     found = checkpoint_extents(path)
-    tier = plan_disk_tier(plan, host_budget_bytes=plan.host_bytes // 2 + 1, disk_gbps=1.5,
+    tier = plan_disk_tier(plan, host_budget_bytes=plan.host_bytes * 3 // 4, disk_gbps=1.5,
                           layer_names=[layer.name for layer in spec.layers], tensors=found.tensors,
                           extents=found.extents, files=found.files)
     assert tier.disk_positions and tier.spill_bytes == 0
@@ -180,7 +206,7 @@ def test_extents_in_files_the_plan_does_not_identify_are_refused(tmp_path: Path)
     path, plan, spec = _checkpoint(tmp_path)
     found = checkpoint_extents(path)
     with pytest.raises(PlanError, match="which the plan does not identify"):
-        plan_disk_tier(plan, host_budget_bytes=plan.host_bytes // 2 + 1, disk_gbps=1.5, tensors=found.tensors,
+        plan_disk_tier(plan, host_budget_bytes=plan.host_bytes * 3 // 4, disk_gbps=1.5, tensors=found.tensors,
                        layer_names=[layer.name for layer in spec.layers], extents=found.extents)
 
 
