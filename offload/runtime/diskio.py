@@ -119,6 +119,7 @@ class ReadHandle:
     _address: int  # where they start, for memmove (a ctypes call: it releases the GIL, runs on one core)
     _keep: torch.Tensor | None  # a tensor destination, alive as long as the handle (a view holds itself)
     _remaining: int
+    _before: Callable[[], object] | None = None  # waited on the worker before each chunk
     _error: ExecutionError | None = None
     _done: threading.Event = attrs.field(factory=threading.Event)
 
@@ -178,7 +179,8 @@ class DiskReader:
         self._busy_since = self._seconds = 0.0  # when _outstanding last left 0; busy seconds before that
         self._counts = dict.fromkeys(("bytes", "requests", "failed", "direct", "staged", "buffered"), 0)
 
-    def submit(self, source: Source, offset: int, length: int, dest: Destination) -> ReadHandle:
+    def submit(self, source: Source, offset: int, length: int, dest: Destination, *,
+               before: Callable[[], object] | None = None) -> ReadHandle:
         """Start reading `length` bytes of `source` from `offset` into `dest`.
 
         Args:
@@ -187,6 +189,9 @@ class DiskReader:
             length: bytes to read; 0 reads (and opens) nothing.
             dest: exactly `length` bytes to fill (`Destination`), not to be touched until
                 `ReadHandle.wait`; read straight into where its address is `offset` modulo the block.
+            before: called on the worker thread before each chunk is read, e.g. the
+                ``synchronize`` of the event of the device copy still reading `dest`
+                (so must be idempotent); what it raises fails the request.
 
         Returns:
             The request's handle.
@@ -202,7 +207,8 @@ class DiskReader:
         step = self._chunk  # cut at its multiples in the file: every chunk but the first and last is aligned
         starts = [offset, *range((offset // step + 1) * step, offset + length, step)] if length else []
         handle = ReadHandle(name=name, offset=offset, length=length, view=view, address=address,
-                            keep=dest if isinstance(dest, torch.Tensor) else None, remaining=len(starts))
+                            keep=dest if isinstance(dest, torch.Tensor) else None, remaining=len(starts),
+                            before=before)
         with self._lock:
             if self._closed:
                 raise ValueError(f"reading {name}: the disk reader is closed")
@@ -255,6 +261,8 @@ class DiskReader:
         error: ExecutionError | None = None
         kind, staged = "", 0
         try:
+            if handle._before is not None:
+                handle._before()
             kind, staged = self._read_chunk(self._open(source, handle.name), handle, start, end)
         except ExecutionError as exc:
             error = exc

@@ -417,3 +417,35 @@ def test_any_range_arrives_exactly(big_sample: tuple[Path, bytes], data: st.Data
     direct = data.draw(st.booleans())
     with DiskReader(threads=2, chunk_bytes=2 * BLOCK_BYTES, direct=direct) as reader:
         assert read_bytes(reader, path, offset, length) == content[offset:offset + length]
+
+
+def test_before_runs_on_the_worker_before_any_byte_is_read_and_its_failure_fails_the_request(
+        sample: tuple[Path, bytes]) -> None:
+    """What a staging buffer's refill waits for: the device copy still reading it."""
+    path, data = sample
+    order: list[str] = []
+    gate = threading.Event()
+
+    def copy_done() -> None:  # a device copy's event, synchronised on the worker
+        assert gate.wait(10)
+        order.append(f"waited on {threading.current_thread().name != threading.main_thread().name}")
+
+    def logged(fd: int, buffers: list[memoryview], offset: int) -> int:
+        order.append("read")
+        return os.preadv(fd, buffers, offset)
+
+    with DiskReader(threads=1, chunk_bytes=BLOCK_BYTES, ops=FileOps(preadv=logged)) as reader:
+        dest = torch.zeros(100, dtype=torch.uint8)
+        handle = reader.submit(path, 7, 100, dest, before=copy_done)
+        assert not handle.done() and order == []  # nothing is read while the copy runs
+        gate.set()
+        assert handle.wait(10) == 100 and bytes(dest.tolist()) == data[7:107]
+        assert order[0] == "waited on True" and "read" in order[1:]
+
+        def broken() -> None:
+            raise RuntimeError("the copy failed")
+
+        with pytest.raises(ExecutionError, match="the copy failed") as caught:
+            reader.submit(path, 0, 10, torch.zeros(10, dtype=torch.uint8), before=broken).wait(10)
+        assert caught.value.name == str(path)
+        assert read_bytes(reader, path, 0, 10) == data[:10]
