@@ -1,0 +1,136 @@
+"""The disk tier's staging ring, as an executor drives it: each disk position's parameters
+read from disk (the checkpoint where they lie, or a spill file) into its staging buffer,
+ahead of the device copy out of it (`offload.pure.disk.tier` says which buffer, in which
+order, and why no buffer is refilled while a copy reads it).
+
+It decides nothing: the buffers are the tier's (allocated by the executor, pinned as the
+plan's pin decision says), each position's buffer and layout are the tier's
+(`staging_layout`), and a refill waits for what the caller passes (the event of the
+device copy out of the buffer's previous occupant). The reads run on the `DiskReader`'s
+threads; `ready` is where the Python thread waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import final
+
+import torch
+
+from offload.errors import ExecutionError
+from offload.executors.common import Ref, torch_dtype
+from offload.pure.disk.tier import DiskTierPlan, staging_layout
+from offload.pure.spec.values import ParamSpec
+from offload.runtime.diskio import DiskReader, ReadHandle, Source
+
+__all__ = ["StagingRing"]
+
+log = logging.getLogger("offload.executors.staging")
+
+
+@final
+class StagingRing:
+    """Reads disk positions into their staging buffers (see the module docstring).
+
+    Args:
+        tier: the disk tier.
+        reader: the reader whose threads read.
+        buffers: `DiskTierPlan.buffers` host ``uint8`` tensors of `staging_bytes` each
+            (or more).
+        sources: each disk parameter's (file, offset): a checkpoint path, or the spill
+            file's fd, and the file offset of its first byte.
+        specs: each disk parameter's shape, strides and dtype, for its view.
+
+    Raises:
+        ExecutionError: the buffers are not the tier's, or a disk parameter has no source.
+    """
+
+    def __init__(self, tier: DiskTierPlan, reader: DiskReader, buffers: Sequence[torch.Tensor],
+                 sources: Mapping[Ref, tuple[Source, int]], specs: Mapping[Ref, ParamSpec]) -> None:
+        if len(buffers) != tier.buffers or any(
+                b.device.type != "cpu" or b.dtype != torch.uint8 or not b.is_contiguous()
+                or b.numel() < tier.staging_bytes for b in buffers):
+            raise ExecutionError(f"the staging ring takes {tier.buffers} contiguous host uint8 buffers of at least "
+                                 f"{tier.staging_bytes} bytes, got {[(b.device.type, b.dtype, b.numel()) for b in buffers]}",
+                                 name="buffers", value=len(buffers))
+        missing = next(((p.layer, p.name) for p in tier.params if (p.layer, p.name) not in sources), None)
+        if missing is not None:
+            raise ExecutionError(f"disk parameter {missing[1]!r} of layer {missing[0]} has no file to read from",
+                                 name=missing[1], value=missing[0])
+        self._reader = reader
+        self._buffers = list(buffers)
+        self._layer_of = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
+        self._buffer_of = {position: tier.staging[k] for k, position in enumerate(tier.read_order)}
+        layout = staging_layout(tier)
+        self._reads: dict[int, list[tuple[Ref, Source, int, int, int]]] = {}  # layer -> (ref, file, at, offset, n)
+        self._views: dict[int, dict[Ref, torch.Tensor]] = {}
+        for position, layer in self._layer_of.items():
+            params = [p for p in tier.params if p.layer == layer]
+            offsets = layout.get(layer, ((), 0))[0]
+            buffer = self._buffers[self._buffer_of[position]]
+            reads: list[tuple[Ref, Source, int, int, int]] = []
+            views: dict[Ref, torch.Tensor] = {}
+            for p, offset in zip(params, offsets, strict=True):
+                ref = (p.layer, p.name)
+                source, at = sources[ref]
+                reads.append((ref, source, at, offset, p.nbytes))
+                spec = specs[ref]
+                raw = buffer[offset:offset + p.nbytes]
+                views[ref] = raw.view(torch_dtype(spec.dtype)).as_strided(spec.shape, spec.stride)
+            self._reads[position] = reads
+            self._views[position] = views
+        self._holds: list[int | None] = [None] * len(self._buffers)  # the position each buffer holds (or is reading)
+        self._pending: dict[int, list[ReadHandle]] = {}
+
+    def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
+        """Each parameter of disk `position`, as it lies in its staging buffer once
+        `ready`: the source of its device copy (the same tensors every pass)."""
+        return self._views[position]
+
+    def holds(self, position: int) -> bool:
+        """Whether `position`'s buffer holds it (read, or being read)."""
+        return self._holds[self._buffer_of[position]] == position
+
+    def stage(self, position: int, *, after: Callable[[], object] | None = None) -> None:
+        """Start reading `position` into its buffer, unless the buffer holds it already;
+        the reads wait for `after` first (the device copy out of the buffer's previous
+        occupant).
+
+        Raises:
+            ExecutionError: a read could not be submitted (the reader is closed).
+        """
+        buffer = self._buffer_of[position]
+        if self._holds[buffer] == position:
+            return
+        self._holds[buffer] = position
+        try:
+            self._pending[position] = [
+                self._reader.submit(source, at, n, self._buffers[buffer][offset:offset + n], before=after)
+                for _, source, at, offset, n in self._reads[position]]
+        except ValueError as exc:
+            self._holds[buffer] = None
+            raise ExecutionError(f"disk position {position}: its reads could not start: {exc}", name="reader",
+                                 value=position) from exc
+
+    def ready(self, position: int) -> None:
+        """Wait until `position` is in its buffer (staging it first if it is not).
+
+        Raises:
+            ExecutionError: a read failed (naming the file and offset); the buffer then
+                holds nothing, and the next `stage` reads again.
+        """
+        if not self.holds(position):
+            self.stage(position)
+        handles = self._pending.pop(position, [])
+        try:
+            for handle in handles:
+                handle.wait()
+        except ExecutionError:
+            for handle in handles:  # let the others finish before the buffer is read again
+                try:
+                    handle.wait()
+                except ExecutionError:
+                    pass
+            self._holds[self._buffer_of[position]] = None
+            raise
