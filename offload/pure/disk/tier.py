@@ -127,12 +127,6 @@ def check_read_order(read_order: Sequence[int], issued: Sequence[int | None], di
                         f"({copies})", name="read_order", value=tuple(read_order))
 
 
-def _read_order_valid(instance: DiskTierPlan, attribute: attrs.Attribute[tuple[int, ...]],
-                      value: tuple[int, ...]) -> None:
-    if len(set(value)) != len(value):
-        raise PlanError(f"read order {list(value)} names a position twice", name="read_order", value=value)
-
-
 @attrs.frozen(kw_only=True)
 class DiskTierPlan:
     """Which offloaded layers of a prefetch plan live on disk, and how they are read.
@@ -160,7 +154,7 @@ class DiskTierPlan:
     read_ahead: int = attrs.field(validator=int_at_least(1, PlanError))
     disk_positions: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     disk_layers: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
-    read_order: tuple[int, ...] = attrs.field(validator=[tuple_of_ints(0, PlanError), _read_order_valid])
+    read_order: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     staging: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
     params: tuple[DiskParam, ...] = attrs.field(validator=tuple_of(DiskParam, PlanError))
     files: tuple[FileIdentity, ...] = attrs.field(validator=tuple_of(FileIdentity, PlanError))
@@ -173,9 +167,10 @@ class DiskTierPlan:
         if len(self.disk_layers) != len(self.disk_positions):
             raise PlanError(f"{len(self.disk_positions)} disk positions but {len(self.disk_layers)} disk layers",
                             name="disk_layers", value=self.disk_layers)
-        if sorted(self.read_order) != sorted(self.disk_positions):
-            raise PlanError(f"read order {list(self.read_order)} is not the disk positions "
-                            f"{list(self.disk_positions)}", name="read_order", value=self.read_order)
+        if sorted(self.read_order) != sorted(set(self.disk_positions)) or \
+                len(set(self.disk_positions)) != len(self.disk_positions):
+            raise PlanError(f"read order {list(self.read_order)} does not read each of the disk positions "
+                            f"{list(self.disk_positions)} once", name="read_order", value=self.read_order)
         if self.staging != tuple(k % self.read_ahead for k in range(len(self.read_order))):
             raise PlanError(f"staging {list(self.staging)} is not read k's buffer k % {self.read_ahead} for each of "
                             f"the {len(self.read_order)} reads", name="staging", value=self.staging)

@@ -198,6 +198,10 @@ def test_json_that_breaks_a_rule_or_is_another_document_is_refused() -> None:
     document["disk"]["disk_bytes"] += 1
     with pytest.raises(PlanError, match="disk bytes"):
         DiskTierPlan.from_json(json.dumps(document))
+    twice = json.loads(tier.to_json())
+    twice["disk"]["read_order"] = [twice["disk"]["read_order"][0]] * len(twice["disk"]["read_order"])
+    with pytest.raises(PlanError, match="does not read each of the disk positions"):
+        DiskTierPlan.from_json(json.dumps(twice))
     with pytest.raises(PlanError, match="not an offload-disk-tier/1 document"):
         DiskTierPlan.from_json(plan.to_json())
 
