@@ -36,14 +36,6 @@ from tests.hf.checkpoints import build, save
 from tests.pure.strategies import model_specs
 
 
-def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
-    found: dict[int, int] = {}
-    for p in plan.offloaded_params:
-        if p.tied_to is None:
-            found[p.layer] = found.get(p.layer, 0) + p.param.nbytes
-    return found
-
-
 def _staged(plan: OffloadPlan, layer: int) -> int:
     """A layer's owned parameters packed one after another, each on a 256-byte boundary."""
     end = 0
@@ -54,10 +46,10 @@ def _staged(plan: OffloadPlan, layer: int) -> int:
 
 
 def _host_with(plan: OffloadPlan, disk_layers: set[int], read_ahead: int) -> int:
-    sizes = _layer_bytes(plan)
-    on_disk = [sizes.get(layer, 0) for layer in disk_layers]
-    ring = min(read_ahead, len(on_disk)) * max((_staged(plan, layer) for layer in disk_layers), default=0)
-    return sum(sizes.values()) - sum(on_disk) + ring
+    """Host bytes with `disk_layers` on disk: the plan's host copies less theirs, plus the ring."""
+    on_disk = sum(p.param.nbytes for p in plan.offloaded_params if p.tied_to is None and p.layer in disk_layers)
+    ring = min(read_ahead, len(disk_layers)) * max((_staged(plan, layer) for layer in disk_layers), default=0)
+    return plan.host_bytes - on_disk + ring
 
 
 @settings(max_examples=150, deadline=None)
@@ -85,9 +77,8 @@ def test_the_fewest_last_layers_go_to_disk_and_every_byte_is_in_one_tier(spec: M
     if count:  # the fewest: one fewer does not fit
         fewer = {positions[i] for i in candidates[len(candidates) - count + 1:]}
         assert _host_with(plan, fewer, read_ahead) > budget
-    # Every offloaded owner's bytes in exactly one tier.
-    sizes = _layer_bytes(plan)
-    assert tier.host_tier_bytes + tier.disk_bytes == sum(sizes.values())
+    # Every byte of the plan's host copies in exactly one tier.
+    assert tier.host_tier_bytes + tier.disk_bytes == plan.host_bytes
     assert sorted((p.layer, p.name) for p in tier.params) == sorted(
         (p.layer, p.param.name) for p in plan.offloaded_params if p.tied_to is None and p.layer in tier.disk_layers)
     assert all(p.source is DiskSource.SPILL and p.reason == "no checkpoint" for p in tier.params)
