@@ -54,6 +54,8 @@ def test_a_preset_has_no_checkpoint_and_spills_every_disk_parameter(capsys: pyte
 
 @pytest.mark.parametrize(("argv", "message"), [
     (("--disk-gbps", "2"), "--disk-gbps needs --host-gib"),
+    (("--read-ahead", "3"), "--read-ahead needs --host-gib"),
+    (("--host-gib", "1", "--fit-gib", "8", "--profile", "h100-pcie5"), "--host-gib does not combine with --fit-gib yet"),
     (("--host-gib", "0"), "--host-gib must be greater than 0"),
     (("--host-gib", "1", "--disk-gbps", "0"), "--disk-gbps must be greater than 0"),
 ])

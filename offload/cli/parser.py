@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "not fit go to disk (shown as a third tier; no executor runs it yet)")
     plan.add_argument("--disk-gbps", type=number, help=f"with --host-gib: the disk's read GB/s for the estimate "
                       f"(default {DEFAULT_DISK_GBPS:g}, assumed)")
-    plan.add_argument("--read-ahead", type=positive_int, default=2,
+    plan.add_argument("--read-ahead", type=positive_int,
                       help="with --host-gib: host staging buffers disk reads fill ahead (default 2)")
 
     demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")

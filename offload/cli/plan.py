@@ -178,6 +178,9 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
+    if args.host_gib is not None:
+        raise UserError("offload plan: --host-gib does not combine with --fit-gib yet (the fit places device "
+                        "bytes only); plan a configuration with --host-gib instead")
     source = _source(args.source, counted="counted in the fit")
     spec = source.spec
     if args.fit_gib == 0:
@@ -212,8 +215,10 @@ def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec) -> 
     """The disk tier ``--host-gib`` asks for (None without it): a checkpoint's parameters
     read from its files where they lie as the model holds them; a preset's all spilled."""
     if args.host_gib is None:
-        if args.disk_gbps is not None:
-            raise UserError("offload plan: --disk-gbps needs --host-gib")
+        given = next((flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--read-ahead", args.read_ahead))
+                      if value is not None), None)
+        if given is not None:
+            raise UserError(f"offload plan: {given} needs --host-gib")
         return None
     if args.host_gib == 0:
         raise UserError("offload plan: --host-gib must be greater than 0")
@@ -226,7 +231,8 @@ def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec) -> 
         found = checkpoint_extents(args.source)
     return plan_disk_tier(
         plan, host_budget_bytes=gib_bytes(args.host_gib),
-        disk_gbps=args.disk_gbps if args.disk_gbps is not None else DEFAULT_DISK_GBPS, read_ahead=args.read_ahead,
+        disk_gbps=args.disk_gbps if args.disk_gbps is not None else DEFAULT_DISK_GBPS,
+        read_ahead=args.read_ahead if args.read_ahead is not None else 2,
         layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
         tensors=found.tensors if found is not None else None, extents=found.extents if found is not None else None,
         files=found.files if found is not None else ())
