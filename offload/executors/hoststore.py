@@ -8,9 +8,9 @@ shared by the processes of one host): `put` and `place` ask it first, and take t
 from the runtime only where it answers None; what it gave is given back to it.
 
 Blocks (`reserve`, `offload.pure.plan.blocks`): several copies of one layer in one allocation,
-back to back, where the runtime offers it (`offload.protocols.HostBlocks`) and no source
-is injected. The block is allocated when its first member is placed; each member is a
-copy as any other (its own storage, released on its own); the allocation goes when the
+back to back, where the runtime offers it (`offload.protocols.HostBlocks`) and no injected
+source claims any of them (`HostSource.claims`). The block is allocated when its first
+member is placed; each member is a copy as any other (its own storage, released on its own); the allocation goes when the
 last member is released. New data for a member (`put`, `place` at post_init) is copied
 into it in place when it has the member's shape, strides and dtype; otherwise the member
 is released and the data gets a copy of its own (the block's memory stays, counted in
@@ -64,6 +64,21 @@ class HostSource(Protocol):
         memory it maps read-only (a copy another process wrote and shares)."""
         ...
 
+    def read_only_reason(self, host: torch.Tensor) -> str:
+        """Why `host` (not `writable`) may not be written, and what to do instead, for
+        the message that refuses a write."""
+        ...
+
+    def claims(self, ref: Ref) -> bool:
+        """Whether `copy` and `empty` may answer for `ref`. The store makes host blocks
+        only of copies no source claims (a block's members come from one allocation)."""
+        ...
+
+    def counted(self, host: torch.Tensor) -> bool:
+        """Whether `host` (from here) takes this process's host memory: False for a copy
+        that lies in a file and is only read from there (`HostStore.nbytes`)."""
+        ...
+
 
 @final
 class _Block:
@@ -114,8 +129,9 @@ class HostStore:
 
     @property
     def blocks_possible(self) -> bool:
-        """Whether `reserve` would make blocks: the runtime offers them, no source is injected."""
-        return self._source is None and isinstance(self._rt, HostBlocks)
+        """Whether `reserve` may make blocks: the runtime offers them (of copies no source
+        claims: `HostSource.claims`)."""
+        return isinstance(self._rt, HostBlocks)
 
     def reserve(self, blocks: Sequence[tuple[tuple[Ref, ...], tuple[torch.Tensor, ...], tuple[int, ...]]]) -> None:
         """Plan blocks: each is (refs, likes, byte offsets), the members of one block in
@@ -123,7 +139,10 @@ class HostStore:
         makes them, are members of the block. Does nothing unless `blocks_possible`."""
         if not self.blocks_possible:
             return
+        source = self._source
         for refs, likes, offsets in blocks:
+            if source is not None and any(source.claims(ref) for ref in refs):
+                continue
             block = _Block(refs, likes, offsets)
             self._blocks.append(block)
             for index, ref in enumerate(refs):
@@ -299,6 +318,11 @@ class HostStore:
         host = self._copies.get(ref)
         return host is None or self._source is None or self._source.writable(host)
 
+    def read_only_reason(self, ref: Ref) -> str:
+        """Why `ref`'s copy is not `writable` (the source says), for messages."""
+        host = self._copies.get(ref)
+        return "" if host is None or self._source is None else self._source.read_only_reason(host)
+
     def __contains__(self, ref: object) -> bool:
         return ref in self._copies
 
@@ -345,7 +369,8 @@ class HostStore:
     def nbytes(self) -> int:
         """Host bytes held, each storage once (retired copies included); a block counts
         whole until its last member is released."""
+        source = self._source
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in (*self._copies.values(), *self._retired)
-                    if t.numel() and t.data_ptr() not in self._member}
+                    if t.numel() and t.data_ptr() not in self._member and (source is None or source.counted(t))}
         return sum(storages.values()) + sum(b.flat.numel() for b in self._blocks if b.alive and b.flat is not None)

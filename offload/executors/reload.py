@@ -231,18 +231,17 @@ def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded
 
 
 def refuse_read_only(store: HostStore, owners: Iterable[tuple[int, str]], what: str) -> None:
-    """Refuse to write host copies this process maps read-only (shared by another process
-    that wrote them: `HostStore.writable`), before anything is written.
+    """Refuse to write host copies this process may not write (shared read-only by another
+    process that wrote them, or read from a file by the disk tier: `HostStore.writable`),
+    before anything is written.
 
     Raises:
         ExecutionError: naming the first such weight (``name`` its name, ``value`` its layer).
     """
     for layer, name in owners:
         if not store.writable((layer, name)):
-            raise ExecutionError(
-                f"{what}: layer {layer} parameter {name!r} lives in a host copy shared read-only with other "
-                "processes: call load_weights on the sharing offloader of every member (the leader writes it)",
-                name=name, value=layer)
+            raise ExecutionError(f"{what}: layer {layer} parameter {name!r} cannot be written: "
+                                 f"{store.read_only_reason((layer, name))}", name=name, value=layer)
 
 
 def _buffer(module: nn.Module, name: str) -> torch.Tensor | None:

@@ -193,6 +193,19 @@ class SharedHostSource:
         makes them stop first)."""
         return not self.owns(host) or (self._leader and self._writing)
 
+    def read_only_reason(self, host: torch.Tensor) -> str:
+        """A follower's copy is the segment's (`HostSource.read_only_reason`)."""
+        return ("it lives in a host copy shared read-only with other processes: call load_weights on the sharing "
+                "offloader of every member (the leader writes it)")
+
+    def claims(self, ref: tuple[int, str]) -> bool:
+        """Every copy may come from the segment (`HostSource.claims`): no host blocks."""
+        return True
+
+    def counted(self, host: torch.Tensor) -> bool:
+        """Every copy takes host memory (`HostSource.counted`)."""
+        return True
+
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
         """Leader: the segment may be written in place meanwhile (every follower has
