@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from offload.pure.stats import OffloadStats
 
-__all__ = ["Event", "HostBlocks", "Offloader", "PreparedCopies", "RegisteredRanges", "Runtime"]
+__all__ = ["Event", "HostBlocks", "HostWaits", "Offloader", "PreparedCopies", "RegisteredRanges", "Runtime"]
 
 
 @runtime_checkable
@@ -225,6 +225,22 @@ class RegisteredRanges(Protocol):
 
     def forget_registered(self, pieces: Sequence[tuple[int, int]]) -> None:
         """The range `note_registered` was told of is unregistered: forget it."""
+        ...
+
+
+@runtime_checkable
+class HostWaits(Protocol):
+    """A runtime that can block a host thread (not a stream) until an event is done: the
+    disk tier's readers wait so for the device copy out of a staging buffer before they
+    refill it (`offload.executors.staging`). Without it they wait for the whole device
+    (`Runtime.synchronize`)."""
+
+    def block_on(self, event: Event) -> None:
+        """Block the calling thread (any thread) until `event` is done.
+
+        Raises:
+            ExecutionError: `event` is not this runtime's.
+        """
         ...
 
 

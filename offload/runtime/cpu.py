@@ -180,6 +180,9 @@ class CpuRuntime:
     def wait(self, event: object) -> None:
         """Nothing to wait for: copies finished when they were issued."""
 
+    def block_on(self, event: object) -> None:
+        """Nothing to wait for: copies finished when they were issued (`HostWaits`)."""
+
     def waited_seconds(self) -> None:
         """Not measured: copies run synchronously when issued, so there is no wait to time."""
         return None

@@ -432,6 +432,13 @@ class CudaRuntime:
             start, done = self._copies_timed.pop(0)
             self._copied_ms += start.elapsed_time(done)
 
+    def block_on(self, event: object) -> None:
+        """Block the calling thread until `event` is done (`HostWaits`; the GIL is
+        released meanwhile)."""
+        if not isinstance(event, torch.cuda.Event):
+            raise ExecutionError(f"not an event of this runtime: {event!r}", name="event", value=event)
+        event.synchronize()
+
     def waited_seconds(self) -> float:
         """Seconds the compute stream stood still in `wait` (outside captures), over the
         waits the device has finished; never blocks, and queries nothing during a CUDA
