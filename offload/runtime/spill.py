@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import tempfile
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch
 
 from offload.errors import ExecutionError
 
-__all__ = ["SpillFile"]
+__all__ = ["SpillFile", "map_file"]
 
 log = logging.getLogger("offload.runtime.spill")
 
@@ -43,6 +44,26 @@ def _span(tensor: torch.Tensor) -> memoryview:
     data = torch.empty(0, dtype=torch.uint8).set_(storage, first, (nbytes,), (1,))
     view: memoryview = data.numpy().data
     return view.cast("B")
+
+
+def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
+    """`length` bytes of the file open as `fd`, from `offset`, as a host ``uint8`` tensor
+    over a private mapping of the file: reading it reads the file (through the page
+    cache); a write goes to a private copy of the page and never to the file. The mapping
+    lives as long as the tensor (and keeps an unlinked file's blocks with it).
+
+    Raises:
+        ExecutionError: the file cannot be mapped (the message says why).
+    """
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        region = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, ValueError) as exc:
+        raise ExecutionError(f"mapping {length} bytes at offset {offset} of fd {fd} failed: {exc}", name="offset",
+                             value=offset) from exc
+    return torch.frombuffer(region, dtype=torch.uint8, count=length, offset=offset - start)
 
 
 @final
@@ -124,6 +145,16 @@ class SpillFile:
                                  value=errno.errorcode.get(exc.errno or 0, str(exc.errno))) from exc
         self._written = offset + len(data)
         return offset, len(data)
+
+    def map(self, offset: int, length: int) -> torch.Tensor:
+        """What `append` wrote at `offset` (`length` bytes), as `map_file` maps it.
+
+        Raises:
+            ExecutionError: the spill file is closed, or the mapping failed.
+        """
+        if self._fd < 0:
+            raise ExecutionError(f"the {self.name} is closed", name="spill_dir", value=self.name)
+        return map_file(self._fd, offset, length)
 
     def flush(self) -> None:
         """Write everything to the disk and drop the written pages from the page cache
