@@ -13,6 +13,7 @@ threads; `ready` is where the Python thread waits for them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import final
 
@@ -82,6 +83,14 @@ class StagingRing:
             self._views[position] = views
         self._holds: list[int | None] = [None] * len(self._buffers)  # the position each buffer holds (or is reading)
         self._pending: dict[int, list[ReadHandle]] = {}
+        # Per buffer, what a refill waits for: the last device copy out of it (`copied`).
+        self._after: list[Callable[[], object] | None] = [None] * len(self._buffers)
+        # Each disk position's next occupant of its buffer in read order (itself: the
+        # buffer is its alone and stays filled).
+        order = tier.read_order
+        count = len(self._buffers)
+        self._next_of = {position: order[(k + count) % len(order)] for k, position in enumerate(order)}
+        self._waited_ns = 0
 
     def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
         """Each parameter of disk `position`, as it lies in its staging buffer once
@@ -92,26 +101,53 @@ class StagingRing:
         """Whether `position`'s buffer holds it (read, or being read)."""
         return self._holds[self._buffer_of[position]] == position
 
+    def on_disk(self, position: int) -> bool:
+        """Whether `position` is a disk position (read through the ring)."""
+        return position in self._views
+
     def stage(self, position: int, *, after: Callable[[], object] | None = None) -> None:
-        """Start reading `position` into its buffer, unless the buffer holds it already;
-        the reads wait for `after` first (the device copy out of the buffer's previous
-        occupant).
+        """Start reading `position` into its buffer, unless the buffer holds it already.
+        The reads wait for `after` first, by default for the last device copy out of the
+        buffer (`copied`); reads of another position still filling the buffer are waited
+        for before (their errors are that position's, and dropped with it).
 
         Raises:
             ExecutionError: a read could not be submitted (the reader is closed).
         """
         buffer = self._buffer_of[position]
-        if self._holds[buffer] == position:
+        previous = self._holds[buffer]
+        if previous == position:
             return
+        if previous is not None:
+            self._settle(self._pending.pop(previous, []))
         self._holds[buffer] = position
+        wait = after if after is not None else self._after[buffer]
         try:
             self._pending[position] = [
-                self._reader.submit(source, at, n, self._buffers[buffer][offset:offset + n], before=after)
+                self._reader.submit(source, at, n, self._buffers[buffer][offset:offset + n], before=wait)
                 for _, source, at, offset, n in self._reads[position]]
         except ValueError as exc:
             self._holds[buffer] = None
             raise ExecutionError(f"disk position {position}: its reads could not start: {exc}", name="reader",
                                  value=position) from exc
+
+    def copied(self, position: int, wait: Callable[[], object]) -> None:
+        """A device copy out of `position`'s buffer was issued; `wait` blocks until it is
+        done. Its buffer's next occupant in read order is staged to be read after it."""
+        self._after[self._buffer_of[position]] = wait
+        self.stage(self._next_of[position])
+
+    @property
+    def waited_seconds(self) -> float:
+        """Seconds `ready` blocked on reads."""
+        return self._waited_ns / 1e9
+
+    def drain(self) -> None:
+        """Wait for every read in flight (their errors dropped); the buffers then hold
+        nothing: nothing reads into them any more."""
+        for position in list(self._pending):
+            self._settle(self._pending.pop(position))
+        self._holds = [None] * len(self._buffers)
 
     def ready(self, position: int) -> None:
         """Wait until `position` is in its buffer (staging it first if it is not).
@@ -123,14 +159,22 @@ class StagingRing:
         if not self.holds(position):
             self.stage(position)
         handles = self._pending.pop(position, [])
+        start = time.perf_counter_ns()
         try:
             for handle in handles:
                 handle.wait()
         except ExecutionError:
-            for handle in handles:  # let the others finish before the buffer is read again
-                try:
-                    handle.wait()
-                except ExecutionError:
-                    pass
+            self._settle(handles)  # let the others finish before the buffer is read again
             self._holds[self._buffer_of[position]] = None
             raise
+        finally:
+            self._waited_ns += time.perf_counter_ns() - start
+
+    @staticmethod
+    def _settle(handles: Sequence[ReadHandle]) -> None:
+        """Wait for every one of `handles`, whatever they raise."""
+        for handle in handles:
+            try:
+                handle.wait()
+            except ExecutionError:
+                pass
