@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
+from offload.errors import PlanError
 from offload.executors.build import build_executor
 from offload.protocols import Offloader, Runtime
+from offload.pure.disk.tier import DiskTierPlan
 from offload.pure.plan.plan import OffloadPlan
 from offload.runtime.cpu import CpuRuntime
 
@@ -32,7 +35,8 @@ def default_runtime(plan: OffloadPlan) -> Runtime:
 
 
 def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None, *,
-                     share_with: dist.ProcessGroup | ShareWith | None = None) -> Offloader:
+                     share_with: dist.ProcessGroup | ShareWith | None = None, disk: DiskTierPlan | None = None,
+                     spill_dir: str | os.PathLike[str] | None = None) -> Offloader:
     """The offloader that runs `plan`.
 
     Args:
@@ -41,20 +45,29 @@ def create_offloader(plan: OffloadPlan, runtime: Runtime | None = None, *,
         share_with: a torch.distributed group (or `offload.sharing.ShareWith`) whose
             members hold identical weights: its members on each host share one host copy
             (`offload.sharing`). Every member must call this; it gathers from all of them.
+        disk: the plan's disk tier (`offload.pure.disk.plan_disk_tier`): its layers are
+            read from disk ahead of their copies instead of held in host memory
+            (prefetch plans; not with `share_with`).
+        spill_dir: with `disk`: where weights not read from the checkpoint as they lie
+            are written once (needed when the tier spills any).
 
     Returns:
         A `PrefetchOffloader`, `UVAOffloader` or `NoopOffloader`, typed as the
         `Offloader` protocol; with `share_with`, a `SharedOffloader` running one.
 
     Raises:
-        PlanError: the plan is inconsistent with its backend (see each executor).
+        PlanError: the plan is inconsistent with its backend (see each executor), or
+            `disk` is not its tier or comes with `share_with`.
         ExecutionError: the default runtime cannot be created; with `share_with`, as
             `offload.sharing.share_offloader` (e.g. members' weights differ).
     """
+    if disk is not None and share_with is not None:
+        raise PlanError("a disk tier cannot be shared (share_with): plan without one, or do not share",
+                        name="disk", value=True)
     rt = runtime if runtime is not None else default_runtime(plan)
     if share_with is not None:
         from offload.sharing.join import share_offloader
 
         return share_offloader(plan, rt, share_with)
-    return build_executor(plan, rt)
+    return build_executor(plan, rt, disk=disk, spill_dir=spill_dir)
 

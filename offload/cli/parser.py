@@ -10,6 +10,7 @@ from typing import NoReturn
 from offload.cli._shared import UserError, shown
 from offload.errors import ConfigError
 from offload.pure.config import OffloadConfig
+from offload.pure.disk.tier import ASSUMED_DISK_GBPS
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import (
     PROFILES,
@@ -35,9 +36,8 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} (see --help)")
 
 
-#: The disk read rate ``offload plan --host-gib`` assumes without ``--disk-gbps``, GB/s:
-#: the plain O_DIRECT sequential read of this project's CI machine (docs/disk.md).
-DEFAULT_DISK_GBPS = 1.5
+#: The disk read rate ``offload plan --host-gib`` assumes without ``--disk-gbps``, GB/s.
+DEFAULT_DISK_GBPS = ASSUMED_DISK_GBPS
 
 
 def positive_int(text: str) -> int:

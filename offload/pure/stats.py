@@ -32,6 +32,11 @@ class OffloadStats:
             stream, over the copies issued outside CUDA graph captures
             (`timed_bytes` of them); None when the runtime cannot measure it.
         timed_bytes: bytes of the copies `copy_seconds` covers.
+        disk_layers: layers on the disk tier (0 without one); the fields below are 0 then.
+        disk_bytes_read: bytes read from disk into the staging buffers.
+        disk_read_seconds: wall time the disk reader had reads in flight.
+        disk_wait_seconds: time the copies waited for reads to finish (the reads did not
+            keep ahead of the copies).
     """
 
     params_offloaded: int = 0
@@ -46,6 +51,17 @@ class OffloadStats:
     steps: int = 0
     copy_seconds: float | None = None
     timed_bytes: int = 0
+    disk_layers: int = 0
+    disk_bytes_read: int = 0
+    disk_read_seconds: float = 0.0
+    disk_wait_seconds: float = 0.0
+
+    @property
+    def disk_gbps(self) -> float | None:
+        """Achieved disk read rate, in GB/s; None when nothing was read."""
+        if self.disk_read_seconds <= 0 or not self.disk_bytes_read:
+            return None
+        return self.disk_bytes_read / self.disk_read_seconds / 1e9
 
     @property
     def bytes_per_step(self) -> float | None:
@@ -105,6 +121,14 @@ def render_stats(stats: OffloadStats, *, link_gbps: float | None = None) -> str:
         ("pin fallbacks", f"{stats.pin_fallbacks}"),
         ("realignments", f"{stats.realignments}"),
     ]
+    if stats.disk_layers:
+        disk_gbps = stats.disk_gbps
+        rows += [
+            ("disk layers", f"{stats.disk_layers}"),
+            ("disk read", f"{_gib(stats.disk_bytes_read)} in {_ms(stats.disk_read_seconds)}"
+             + ("" if disk_gbps is None else f" ({disk_gbps:.2f} GB/s)")),
+            ("copies waited for disk", _ms(stats.disk_wait_seconds)),
+        ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -121,4 +145,8 @@ def render_stats_line(stats: OffloadStats) -> str:
         "copy bandwidth not measured" if gbps is None else f"copies at {gbps:.2f} GB/s",
         f"{stats.realignments} realignments",
     ]
+    if stats.disk_layers:
+        disk_gbps = stats.disk_gbps
+        parts.append("disk not read yet" if disk_gbps is None else f"disk read at {disk_gbps:.2f} GB/s, "
+                     f"{stats.disk_wait_seconds * 1e3:.3f} ms waited")
     return "offload: " + ", ".join(parts)

@@ -17,7 +17,7 @@ from offload.executors.hoststore import HostStore
 from offload.executors.placement.find import Found, ViewGroup, find_moves, view_groups
 from offload.executors.placement.progress import Progress, tensor_bytes
 from offload.protocols import Runtime
-from offload.pure.decide.admission import HostFit
+from offload.pure.decide.admission import HostAdmission, HostFit
 from offload.pure.decide.moves import Move, WhereKind, restore_target
 from offload.pure.plan.blocks import host_blocks
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
@@ -26,10 +26,11 @@ log = logging.getLogger("offload.load")
 
 _HOST = torch.device("cpu")
 
-def admit(plan: OffloadPlan) -> None:
+def admit(plan: OffloadPlan, admission: HostAdmission | None = None) -> None:
     """Refuse a plan whose host memory does not fit the machine, before anything moves.
 
-    Reads the verdict `make_plan` recorded (`OffloadPlan.host_admission`) and obeys
+    Reads the verdict `make_plan` recorded (`OffloadPlan.host_admission`; or `admission`,
+    the verdict for the plan with a disk tier: `DiskTierPlan.host_admission`) and obeys
     ``plan.config.host_check``: "refuse" raises, "warn" logs a warning and returns, "off"
     returns. A plan that fits, or whose fit is unknown, always passes.
 
@@ -39,7 +40,7 @@ def admit(plan: OffloadPlan) -> None:
             ``"host_available"``, ``"memlock"``, ``"device"``), ``value`` (bytes needed,
             bytes allowed).
     """
-    admission = plan.host_admission
+    admission = admission if admission is not None else plan.host_admission
     mode = plan.config.host_check
     if mode == "off" or admission.verdict is not HostFit.DOES_NOT_FIT:
         return
@@ -193,7 +194,8 @@ def reserve_blocks(plan: OffloadPlan, found: Mapping[Ref, Found], store: HostSto
 def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, runtime: Runtime,
              origin: dict[Ref, torch.device],
              data_for: DataFor, *,
-             blocks: bool = False) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]], tuple[ViewGroup, ...]]:
+             blocks: bool = False, admission: HostAdmission | None = None,
+             ) -> tuple[dict[Ref, Found], list[tuple[Ref, nn.Parameter]], tuple[ViewGroup, ...]]:
     """The moves of `wrap_modules`, shared by the executors: every offloaded storage gets
     its host copy (`HostStore.place`) and each offloaded parameter points at `data_for`
     (the host copy, or a view of it); resident weights go to the device (`move_resident`).
@@ -202,6 +204,7 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
         origin: filled with where `restore` puts each offloaded (layer, name).
         blocks: put each layer's copies in one host block where the plan and the store
             allow (`reserve_blocks`; the prefetch backend copies such a layer in one go).
+        admission: the verdict `admit` obeys instead of the plan's (a disk tier's).
 
     Returns:
         What `find_moves` found, the resident parameters copied from the host, and the
@@ -214,7 +217,7 @@ def move_all(plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, r
         BaseException: whatever failed while moving, after every change was undone (the
             caller releases what the store holds and reports the error).
     """
-    admit(plan)
+    admit(plan, admission)
     found = find_moves(plan, layers, runtime.device)
     views = view_groups(plan, found)
     if blocks:

@@ -8,6 +8,7 @@ The offloader is built in one line of parts, each using only what lies below it:
 - `queue.py`: the copy queue: issue, wait, realign, the CUDA graph calls (`CopyQueue`).
 - `forward.py`: the forwards installed on the layers, eager and compiled (`ForwardPath`).
 - `weights.py`: the per-layer check, conversions, new weights (`NewWeights`).
+- `disk.py`: the disk tier's ring and files, from post_init to restore (`DiskStream`).
 - `offloader.py`: the lifecycle: wrap, post_init, restore, stats (`PrefetchOffloader`).
 
 The rules the parts keep are written once, here, as named notes; the code says
@@ -78,6 +79,21 @@ Note [new weights]
     their host copies while torch writes them). Then the slots are refilled: the next
     forward begins a new step, without counting a realignment. A write into a slot
     itself (``param.copy_()``) is refused at the next forward (its version counter).
+
+Note [disk tier]
+    With a disk tier (`offload.pure.disk.tier`) the copies of a disk position read its
+    staging buffer (`offload.executors.staging`), not host copies: before they are issued
+    the Python thread blocks until the buffer holds the position (reading it then if it
+    does not), and after they are issued the buffer's next occupant in read order is
+    staged, its reads to start on the reader's threads once that copy is done (a buffer
+    is never refilled while a copy reads it). Post_init stages a pass's first reads; a
+    copy that finds the wrong position in its buffer reads its own first, so every order
+    of layers (realignment included) copies the right weights. A failed read fails the
+    copy (the position then has nothing in flight and realigns: the next forward reads
+    it again). The disk parameters' host copies are private mappings of their files
+    (`offload.executors.diskhost`), for the cold paths only (restore, ``state_dict``, the
+    live check); they are not written (`load_weights` refuses them). CUDA graph capture
+    is refused: the reads between the copies are not part of a graph.
 """
 
 from offload.executors.prefetch.offloader import PrefetchOffloader

@@ -51,6 +51,7 @@ from offload.executors.prefetch.weights import NewWeights
 from offload.executors.reload import route_state_dict_loads
 from offload.model.describe import storage_key
 from offload.pure.check import LiveCheck
+from offload.pure.disk.tier import DiskTierPlan
 from offload.pure.plan.layout import owns_buffer
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.plan.revise import revise_plan
@@ -71,10 +72,23 @@ class PrefetchOffloader(NewWeights):
         host_source: where host copies come from before the runtime is asked
             (`HostSource`, e.g. a segment shared by the processes of one host,
             `offload.sharing`); None: the runtime makes them all.
+        disk: the plan's disk tier (`offload.pure.disk.plan_disk_tier`): its layers are
+            read from disk into a ring of staging buffers ahead of their copies (Note
+            [disk tier]); None: every offloaded weight in host memory.
+        spill_dir: with `disk`, where weights not read from the checkpoint as they lie
+            are written once (a spill file, unlinked once open).
+        disk_io: with `disk`, how it reads and spills (`DiskIO`: tests inject failures).
 
     Raises:
-        PlanError: the plan's backend is not prefetch.
+        PlanError: the plan's backend is not prefetch, or `disk` is not this plan's tier
+            (or comes with `host_source`).
+        ExecutionError: `disk` spills weights and no `spill_dir` is given.
     """
+
+    @property
+    def disk_tier(self) -> DiskTierPlan | None:
+        """The disk tier being run (Note [disk tier]), or None."""
+        return self._disk.tier if self._disk is not None else None
 
     @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -96,15 +110,20 @@ class PrefetchOffloader(NewWeights):
         require(self._state, "wrap_modules")
         layers = list(layers)
         plan = self._plan
+        if self._disk is not None:
+            self._disk.before_wrap()  # the files are as planned (Note [disk tier])
         claim(layers, self)
         unpacked = unpack(layers)  # quantised weights: by their inner tensors (offload.model.wrappers)
         try:
             found, from_host, views = move_all(plan, layers, self._host, self._rt, self._origin,
-                                               lambda p, owner, move: self._host_of(owner), blocks=True)
+                                               lambda p, owner, move: self._host_of(owner), blocks=True,
+                                               admission=self._disk.tier.host_admission if self._disk else None)
         except BaseException as exc:
             unpacked.pack()
             self._host.clear()
             self._origin.clear()
+            if self._disk is not None:
+                self._disk.close()  # the spill file goes (nothing is left on disk)
             raise_as_execution_error(exc, "moving weights to host memory failed, model left as it was",
                                      "wrap_modules")
         self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views, unpacked)
@@ -176,6 +195,8 @@ class PrefetchOffloader(NewWeights):
         self._entries_of = {}
         self._reload_due = set()
         self._buffers.clear()
+        if self._disk is not None:
+            self._disk.stop()
         self._copies = []
         self._bound = []
         self._bound_names = []
@@ -189,6 +210,9 @@ class PrefetchOffloader(NewWeights):
 
     def _allocate_and_start(self, plan: OffloadPlan) -> None:
         """Allocate the static buffers, point parameters at their slots, issue the first copies."""
+        disk = self._disk
+        if disk is not None:
+            disk.start(plan, self._rt)  # the staging ring, its first reads staged (Note [disk tier])
         arenas = allocate_arenas(plan, self._host, self._rt, self._buffers)
         for b in plan.buffers:
             dtype = torch_dtype(b.dtype)
@@ -234,10 +258,16 @@ class PrefetchOffloader(NewWeights):
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
             owner = p.tied_to or ref
-            copies[position_of[p.layer]].append((buffer, self._host_of(owner), owner))
+            position = position_of[p.layer]
+            # A disk position's copies read its staging buffer, not host copies (Note [disk tier]).
+            source = disk.source(position, owner) if disk is not None and disk.on_disk(position) else \
+                self._host_of(owner)
+            copies[position].append((buffer, source, owner))
         self._bind(bound)
         self._slot_params = {layer: tuple(params) for layer, params in slot_params.items()}
-        self._copy_bytes = [sum(host.untyped_storage().nbytes() for _, host, _ in layer) for layer in copies]
+        # (A staging buffer's view is part of the buffer's storage: count its slot's bytes.)
+        self._copy_bytes = [sum((buffer if disk is not None and disk.on_disk(i) else source).untyped_storage().nbytes()
+                                for buffer, source, _ in layer) for i, layer in enumerate(copies)]
         self._copy, self._copies = prepare_copies(self._rt, [merge_copies(layer, arenas, self._host) for layer in copies])
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
@@ -318,6 +348,8 @@ class PrefetchOffloader(NewWeights):
         self._patched.clear()
         unguard_layers(self._guards)
         self._host.clear()
+        if self._disk is not None:
+            self._disk.close()
         try:
             self._rt.synchronize()  # gives back page-locked memory whose last tensor just died
         except BaseException as exc:

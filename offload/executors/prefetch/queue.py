@@ -30,11 +30,16 @@ class CopyQueue(PrefetchState):
         done: Event = after
         first = True
         copy = self._copy
+        disk = self._disk if self._disk is not None and self._disk.on_disk(position) else None
         try:
+            if disk is not None:  # its staging buffer must hold it first (Note [disk tier])
+                disk.before_copy(position)
             for chunks in self._copies[position]:
                 done = copy(chunks, after if first else None)
                 first = False
                 self._copies_issued += 1
+            if disk is not None:
+                disk.after_copy(position, done)
         except BaseException as exc:
             # No entry for the position: the layer that needs it realigns (copies it again).
             raise_as_execution_error(
@@ -46,7 +51,14 @@ class CopyQueue(PrefetchState):
         self._landed.discard(position)
 
     def _check_capturable(self) -> None:
-        """Refuse a capture from pageable host copies (Note [capture boundary])."""
+        """Refuse a capture from pageable host copies (Note [capture boundary]), or with a
+        disk tier (Note [disk tier])."""
+        if self._disk is not None:
+            raise ExecutionError(
+                "cannot capture a CUDA graph of a model with a disk tier: its reads run on host threads between "
+                "the copies, and a replay would copy staging buffers nothing refilled. Run it without CUDA graphs "
+                "(torch.compile works), or plan without the disk tier",
+                name="disk", value=len(self._disk.tier.disk_positions))
         if self._plan.pin.pin and self._host.fallbacks:
             raise ExecutionError(
                 f"cannot capture a CUDA graph: pinning failed for {self._host.fallbacks} host copies, "

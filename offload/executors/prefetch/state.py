@@ -10,6 +10,7 @@ The parts build on it in one line, each using only what lies below it: `CopyQueu
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,10 @@ from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.lifecycle import Lifecycle
 from offload.executors.placement.restore import Restorer
 from offload.executors.prefetch.buffers import Buffers, Chunks, copy_after
+from offload.executors.prefetch.disk import DiskIO, DiskStream
 from offload.executors.telemetry import StepLog
 from offload.protocols import Event, Runtime
+from offload.pure.disk.tier import DiskTierPlan
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.stats import OffloadStats
 
@@ -39,15 +42,23 @@ InFlight = tuple[Event, bool]
 class PrefetchState:
     """The fields of a prefetch offloader and their meaning (see `PrefetchOffloader`)."""
 
-    def __init__(self, plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None) -> None:
+    def __init__(self, plan: OffloadPlan, runtime: Runtime, host_source: HostSource | None = None, *,
+                 disk: DiskTierPlan | None = None, spill_dir: str | os.PathLike[str] | None = None,
+                 disk_io: DiskIO | None = None) -> None:
         if plan.backend is not Backend.PREFETCH:
             raise PlanError(f"PrefetchOffloader runs prefetch plans, got backend {plan.backend.value}",
                             name="backend", value=plan.backend.value)
+        if disk is not None and host_source is not None:
+            raise PlanError("a disk tier cannot be combined with host copies from another source (a sharing "
+                            "group): plan without the disk tier, or do not share", name="disk", value=True)
         self._plan = plan
         self._rt = runtime
         self._state = Lifecycle.NEW
         self._layers: list[nn.Module] = []
-        self._host = HostStore(runtime, pin=plan.pin.method, source=host_source)  # owner (layer, name) -> host copy
+        # The disk tier (Note [disk tier]): its parameters' host copies lie in their files.
+        self._disk = DiskStream(plan, disk, spill_dir=spill_dir, io=disk_io) if disk is not None else None
+        source = self._disk.host if self._disk is not None else host_source
+        self._host = HostStore(runtime, pin=plan.pin.method, source=source)  # owner (layer, name) -> host copy
         self._origin: dict[Ref, torch.device] = {}  # every offloaded (layer, name) -> where restore puts it
         self._restorer: Restorer | None = None
         self._hooks: list[Any] = []  # state_dict hook handles
@@ -124,10 +135,12 @@ class PrefetchState:
     def stats(self) -> OffloadStats:
         """Counters since `wrap_modules` (see `OffloadStats`)."""
         active = self._state in (Lifecycle.WRAPPED, Lifecycle.READY)
+        disk = self._disk
+        read, read_seconds, disk_wait = disk.reads() if disk is not None else (0, 0.0, 0.0)
         return OffloadStats(
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
-            host_bytes=self._host.nbytes,
+            host_bytes=self._host.nbytes + (disk.staging_bytes if disk is not None else 0),
             device_buffer_bytes=sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                      for slots in self._buffers.values() for t in slots.values()}.values()),
             copies_issued=self._copies_issued,
@@ -138,4 +151,8 @@ class PrefetchState:
             steps=self._steps,
             copy_seconds=self._rt.copy_seconds(),
             timed_bytes=self._timed_bytes,
+            disk_layers=len(disk.tier.disk_positions) if disk is not None else 0,
+            disk_bytes_read=read,
+            disk_read_seconds=read_seconds,
+            disk_wait_seconds=disk_wait,
         )

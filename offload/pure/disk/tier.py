@@ -36,17 +36,23 @@ import attrs
 
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, tuple_of, tuple_of_ints
+from offload.pure.decide.admission import NOT_CHECKED, HostAdmission, assess_host_memory, host_demand
+from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
 from offload.pure.spec.extents import DiskExtent, FileIdentity, unmappable
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.spec.values import ParamSpec
 
-__all__ = ["DISK_FORMAT", "STAGING_ALIGN", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order",
-           "plan_disk_tier", "staging_layout"]
+__all__ = ["ASSUMED_DISK_GBPS", "DISK_FORMAT", "STAGING_ALIGN", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order",
+           "plan_disk_tier", "staging_layout", "tier_admission"]
 
 #: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
 DISK_FORMAT = "offload-disk-tier/1"
+
+#: The disk read rate assumed where none is given, GB/s: the plain ``O_DIRECT``
+#: sequential read of this project's CI machine (docs/disk.md).
+ASSUMED_DISK_GBPS = 1.5
 
 #: Where each parameter starts in its staging buffer: a multiple of this many bytes (any
 #: dtype's element, and what device copies like to start on).
@@ -146,6 +152,10 @@ class DiskTierPlan:
         host_tier_bytes: bytes of the offloaded layers kept in host memory.
         disk_bytes: bytes read from disk per pass.
         spill_bytes: bytes of the disk layers that go to a spill file.
+        host_admission: whether the host memory the plan takes with this tier (the host
+            tier, the staging ring, the buffers on a CPU) fits the machine, as
+            `OffloadPlan.host_admission` says for the plan without it; not checked when
+            planned without a snapshot. The executor obeys it in the plan's stead.
     """
 
     host_budget_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
@@ -162,6 +172,8 @@ class DiskTierPlan:
     host_tier_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
     disk_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
     spill_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    host_admission: HostAdmission = attrs.field(default=NOT_CHECKED,
+                                                validator=attrs.validators.instance_of(HostAdmission))
 
     def __attrs_post_init__(self) -> None:
         if len(self.disk_layers) != len(self.disk_positions):
@@ -285,7 +297,7 @@ def _disk_param(layer: int, full: str | None, param: ParamSpec, tensors: Mapping
 def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: float, read_ahead: int = 2,
                    layer_names: Sequence[str] = (), tensors: Mapping[str, TensorHeader] | None = None,
                    extents: Mapping[str, DiskExtent] | None = None,
-                   files: Sequence[FileIdentity] = ()) -> DiskTierPlan:
+                   files: Sequence[FileIdentity] = (), env: EnvSnapshot | None = None) -> DiskTierPlan:
     """Put as few of `plan`'s offloaded layers on disk as make host memory fit
     `host_budget_bytes` (see the module docstring).
 
@@ -300,6 +312,8 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         tensors, extents: the checkpoint's tensors and where they lie, by full name
             (`offload.model.checkpoint.checkpoint_extents`).
         files: the checkpoint's files, as they were read.
+        env: the snapshot the plan was made for: the tier's host admission is decided
+            for it (`DiskTierPlan.host_admission`); None: not checked.
 
     Raises:
         PlanError: the plan is not a prefetch plan; `read_ahead` is below 1 or `disk_gbps`
@@ -354,7 +368,7 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     check_read_order(read_order, plan.schedule.issued_after, disk)
     used = {p.extent.path for p in params if p.extent is not None}
     disk_bytes = sum(p.nbytes for p in params)
-    return DiskTierPlan(
+    tier = DiskTierPlan(
         host_budget_bytes=host_budget_bytes, disk_gbps=float(disk_gbps), read_ahead=read_ahead,
         disk_positions=disk, disk_layers=disk_layers, read_order=read_order,
         staging=tuple(k % read_ahead for k in range(len(read_order))), params=params,
@@ -362,3 +376,22 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         staging_bytes=max((staged.get(layer, 0) for layer in disk_layers), default=0),
         host_tier_bytes=total - disk_bytes, disk_bytes=disk_bytes,
         spill_bytes=sum(p.nbytes for p in params if p.source is DiskSource.SPILL))
+    if env is None:
+        return tier
+    return attrs.evolve(tier, host_admission=tier_admission(plan, tier, env))
+
+
+def tier_admission(plan: OffloadPlan, tier: DiskTierPlan, env: EnvSnapshot) -> HostAdmission:
+    """The host admission of `plan` run with `tier` on `env` (`assess_host_memory`): the
+    host tier's copies (those not in host memory already), the staging ring, and on a CPU
+    the static buffers are new host memory; the host tier and the ring are pinned as the
+    plan pins. The disk layers' weights take none (they are read from their files)."""
+    on = set(tier.disk_layers)
+    kept = [p for p in plan.params if p.layer not in on or not p.offloaded]
+    demand = host_demand(kept, compute_device=plan.compute_device, host_bytes=tier.host_tier_bytes,
+                         buffer_bytes=plan.device_bytes_buffers, resident_bytes=plan.device_bytes_resident,
+                         pin=plan.pin.pin)
+    ring = tier.staging_ring_bytes
+    demand = attrs.evolve(demand, host_bytes=demand.host_bytes + ring,
+                          pinned_bytes=demand.pinned_bytes + (ring if plan.pin.pin else 0))
+    return assess_host_memory(demand, env)

@@ -1,0 +1,206 @@
+"""The disk tier as a prefetch offloader runs it (Note [disk tier]): the disk parameters'
+copies in their files (`DiskHost`), the staging ring and its reader, from `post_init` to
+`restore`. It decides nothing: which layers, which buffer, which read after which copy
+are the `DiskTierPlan`'s."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import final
+
+import attrs
+import torch
+
+from offload.errors import ExecutionError, PlanError
+from offload.executors.common import Ref
+from offload.executors.diskhost import DiskHost
+from offload.executors.staging import StagingRing
+from offload.model.checkpoint import changed_files
+from offload.protocols import Event, HostWaits, Runtime
+from offload.pure.disk.tier import DiskTierPlan
+from offload.pure.plan.plan import OffloadPlan
+from offload.runtime.diskio import DiskReader, DiskReadStats
+from offload.runtime.spill import SpillFile
+
+__all__ = ["DiskIO", "DiskStream"]
+
+log = logging.getLogger("offload.executors.prefetch")
+
+
+def _check_tier(plan: OffloadPlan, tier: DiskTierPlan, when: str) -> None:
+    """Refuse a disk tier that is not `plan`'s: its positions, layers and parameters (each
+    untied offloaded parameter of a disk layer, with the bytes the tier reads)."""
+    layers = plan.offloaded_layers
+    kept = plan.schedule.kept_positions
+    for position, layer in zip(tier.disk_positions, tier.disk_layers, strict=True):
+        if position >= len(layers) or layers[position] != layer or position in kept:
+            raise PlanError(f"{when}: the disk tier puts layer {layer} at schedule position {position}, which the plan "
+                            f"{'keeps loaded' if position in kept else 'does not offload there'}: plan the disk tier "
+                            "from this plan (plan_disk_tier)", name="disk_positions", value=position)
+    on = set(tier.disk_layers)
+    planned = {(p.layer, p.param.name): p.param.nbytes for p in plan.offloaded_params
+               if p.layer in on and p.tied_to is None}
+    tiered = {(p.layer, p.name): p.nbytes for p in tier.params}
+    if planned != tiered:
+        ref = next(iter(sorted(set(planned.items()) ^ set(tiered.items()))))
+        raise PlanError(f"{when}: layer {ref[0][0]} parameter {ref[0][1]!r} is "
+                        f"{'read by the disk tier' if ref in tiered.items() else 'offloaded'} with {ref[1]} bytes, "
+                        "but not so in the "
+                        f"{'plan' if ref in tiered.items() else 'disk tier'}: plan the disk tier from the plan as it "
+                        "is (after post-processing)", name=ref[0][1], value=ref[0][0])
+
+
+def _refuse_changed_files(tier: DiskTierPlan, when: str) -> None:
+    """Refuse when a checkpoint file the tier reads is not as planned."""
+    changed = changed_files(tier.files)
+    if changed:
+        path, fields = changed[0]
+        raise ExecutionError(f"{when}: checkpoint file {path!r} changed after the disk tier was planned "
+                             f"({', '.join(fields)} differ): its bytes may no longer be the model's weights; plan "
+                             "again from the checkpoint as it is", name="path", value=path)
+
+
+@attrs.frozen(kw_only=True)
+class DiskIO:
+    """How a disk tier reads and spills: made here, injected by tests (failing reads, a
+    full disk).
+
+    Attributes:
+        reader: makes the reader of a run (from post_init to restore).
+        spill: makes the spill file in a directory.
+    """
+
+    reader: Callable[[], DiskReader] = DiskReader
+    spill: Callable[[str | os.PathLike[str]], SpillFile] = SpillFile
+
+
+@final
+class DiskStream:
+    """A prefetch offloader's disk tier (see the module docstring).
+
+    Args:
+        plan: the prefetch plan.
+        tier: its disk tier (`plan_disk_tier`).
+        spill_dir: where weights that are not read from the checkpoint are written.
+        io: how it reads and spills (`DiskIO`).
+
+    Raises:
+        PlanError: the tier is not the plan's.
+        ExecutionError: it spills and no `spill_dir` is given.
+    """
+
+    def __init__(self, plan: OffloadPlan, tier: DiskTierPlan, *, spill_dir: str | os.PathLike[str] | None,
+                 io: DiskIO | None = None) -> None:
+        _check_tier(plan, tier, "the disk tier")
+        self.tier = tier
+        self._io = io if io is not None else DiskIO()
+        self.host = DiskHost(tier, spill_dir=spill_dir, spill=self._io.spill)
+        self._reader: DiskReader | None = None
+        self._ring: StagingRing | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._rt: Runtime | None = None
+        self._disk = frozenset(tier.disk_positions)
+        self._read_bytes = 0  # of readers closed before
+        self._read_seconds = 0.0
+        self._waited = 0.0
+
+    def before_wrap(self) -> None:
+        """Refuse to map files that changed since planning."""
+        _refuse_changed_files(self.tier, "wrap_modules")
+
+    def after_wrap(self) -> None:
+        """Every copy is made: the spill file goes to the disk (and out of the page cache)."""
+        self.host.finish()
+
+    def start(self, plan: OffloadPlan, rt: Runtime) -> None:
+        """At post_init (`plan` as revised): check the files and the tier, allocate the
+        staging buffers (pinned as the plan says), start the reader, and stage the first
+        reads of a pass.
+
+        Raises:
+            ExecutionError: a checkpoint file changed since planning, or an allocation failed.
+            PlanError: post-processing changed the disk layers' parameters.
+        """
+        _refuse_changed_files(self.tier, "post_init")
+        _check_tier(plan, self.tier, "post_init")
+        self.host.finish()
+        tier = self.tier
+        like = torch.empty(tier.staging_bytes, dtype=torch.uint8, device="meta")
+        self._rt = rt
+        self._buffers = [rt.host_empty(like, pin=plan.pin.method) for _ in range(tier.buffers)]
+        specs = {(p.layer, p.param.name): p.param for p in plan.offloaded_params if p.layer in set(tier.disk_layers)}
+        self._reader = self._io.reader()
+        self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs)
+        for position in tier.read_order[:tier.buffers]:
+            self._ring.stage(position)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes the staging buffers hold now (0 before post_init and after restore)."""
+        return sum(buffer.untyped_storage().nbytes() for buffer in self._buffers)
+
+    def on_disk(self, position: int) -> bool:
+        """Whether `position`'s copies come through the ring."""
+        return position in self._disk
+
+    def source(self, position: int, owner: Ref) -> torch.Tensor:
+        """What `owner`'s copy at disk `position` reads: its view in the staging buffer."""
+        if self._ring is None:
+            raise ExecutionError("the disk tier is not started (post_init)", name="state", value=position)
+        return self._ring.views(position)[owner]
+
+    def before_copy(self, position: int) -> None:
+        """Block until disk `position` is in its staging buffer (reading it now if it is not).
+
+        Raises:
+            ExecutionError: a read failed, naming the file and offset (the next copy of
+                `position` reads it again).
+        """
+        if self._ring is not None:
+            self._ring.ready(position)
+
+    def after_copy(self, position: int, done: Event) -> None:
+        """The device copy out of `position`'s buffer is issued (`done` its event): stage
+        the buffer's next occupant, to be read once that copy is done."""
+        if self._ring is None or self._rt is None:
+            return
+        self._ring.copied(position, self._blocker(self._rt, done))
+
+    @staticmethod
+    def _blocker(rt: Runtime, done: Event) -> Callable[[], object]:
+        if isinstance(rt, HostWaits):
+            return lambda: rt.block_on(done)
+        return rt.synchronize
+
+    def stop(self) -> None:
+        """Wait for the reads in flight, stop the reader, give back the staging buffers
+        (call with no device copy in flight). Idempotent."""
+        if self._ring is not None:
+            self._ring.drain()
+            self._waited += self._ring.waited_seconds
+            self._ring = None
+        if self._reader is not None:
+            self._reader.close()
+            found = self._reader.stats()
+            self._read_bytes += found.bytes_read
+            self._read_seconds += found.read_seconds
+            self._reader = None
+        if self._rt is not None:
+            for buffer in self._buffers:
+                self._rt.release_host(buffer)
+        self._buffers = []
+
+    def close(self) -> None:
+        """After restore (or a failed wrap): `stop`, and close the files."""
+        self.stop()
+        self.host.close()
+
+    def reads(self) -> tuple[int, float, float]:
+        """(bytes read from disk, seconds reading, seconds the copies waited for reads), so far."""
+        found: DiskReadStats | None = self._reader.stats() if self._reader is not None else None
+        waited = self._waited + (self._ring.waited_seconds if self._ring is not None else 0.0)
+        if found is None:
+            return self._read_bytes, self._read_seconds, waited
+        return self._read_bytes + found.bytes_read, self._read_seconds + found.read_seconds, waited

@@ -1,0 +1,82 @@
+"""Small `transformers` models with enough layers for all three tiers, and their disk tier
+planned as `offload_model(..., host_budget_bytes=)` plans it (a budget one byte short of
+the plan's host copies), for the disk tier's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, PretrainedConfig, PreTrainedModel
+
+from offload import EnvSnapshot, OffloadConfig, OffloadPlan
+from offload.executors.prefetch import PrefetchOffloader
+from offload.executors.prefetch.disk import DiskIO
+from offload.hf import ModelOffloader, find_stacks
+from offload.hf.disk import plan_model_disk
+from offload.hf.model import plan_model
+from offload.model.describe import describe_stacks
+from offload.protocols import Runtime
+from offload.pure.disk.tier import DiskTierPlan
+from tests.hf.checkpoints import VOCAB
+
+__all__ = ["PLAN", "build_model", "plan_tier", "wrap", "weights"]
+
+
+def _llama() -> PretrainedConfig:
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _mixtral() -> PretrainedConfig:
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64)
+
+
+CONFIGS = {"llama": _llama, "mixtral": _mixtral}
+
+#: One layer in six stays resident; the five others are offloaded.
+PLAN = OffloadConfig(group_size=6, num_in_group=5, prefetch_step=1)
+
+
+def build_model(arch: str, seed: int = 0) -> PreTrainedModel:
+    """A random 6-layer model of `arch` (``llama`` or ``mixtral``), in eval mode."""
+    torch.manual_seed(seed)
+    made: Any = AutoModelForCausalLM.from_config(CONFIGS[arch]())  # type: ignore[no-untyped-call]  # untyped
+    made.eval()
+    model: PreTrainedModel = made
+    return model
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter, by name (ties under each name)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2,
+              config: OffloadConfig = PLAN) -> tuple[OffloadPlan, DiskTierPlan, list[nn.Module]]:
+    """`model`'s plan, its disk tier for a host budget one byte short of the plan's host
+    copies, and its layers."""
+    stacks = find_stacks(model, None)
+    layers = [layer for stack in stacks for layer in stack]
+    plan = plan_model(describe_stacks(stacks), EnvSnapshot(), config=config, device_budget_bytes=None,
+                      outside_bytes=0)
+    tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=plan.host_bytes - 1,
+                           checkpoint=checkpoint, disk_gbps=None, read_ahead=read_ahead)
+    assert tier is not None
+    return plan, tier, layers
+
+
+def wrap(model: nn.Module, layers: Sequence[nn.Module], plan: OffloadPlan, tier: DiskTierPlan, runtime: Runtime,
+         spill_dir: Path, io: DiskIO | None = None, *, start: bool = True) -> ModelOffloader:
+    """`model` offloaded with `tier` (wrapped, and `post_init` run when `start`)."""
+    offloader = ModelOffloader(model, layers, PrefetchOffloader(plan, runtime, disk=tier, spill_dir=spill_dir,
+                                                                disk_io=io), runtime)
+    offloader.wrap_modules(layers)
+    if start:
+        offloader.post_init()
+    return offloader

@@ -1,0 +1,247 @@
+"""The prefetch executor running a disk tier (Note [disk tier]) against what can go wrong:
+copies deferred until waited for (a played GPU: a staging buffer refilled before the copy
+out of it ran would give a layer another layer's weights), layers out of order, a read
+that fails and then works again, a checkpoint file changed after planning, a full spill
+disk, new weights for disk layers, CUDA graph capture, and a tier that is not the plan's."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from offload import ConfigError, ExecutionError, OffloadConfig, PlanError
+from offload.executors.prefetch import PrefetchOffloader
+from offload.executors.prefetch.disk import DiskIO
+from offload.hf import offload_model
+from offload.runtime.cpu import CpuRuntime
+from offload.runtime.diskio import DiskReader, FileOps
+from offload.runtime.spill import SpillFile
+from tests.executors.disk_helpers import build_model, plan_tier, weights, wrap
+from tests.executors.fakes import Copy, FakeEvent, FakeRuntime
+from tests.hf.checkpoints import save, step_logits
+
+
+def _equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class DeferredRuntime(FakeRuntime):
+    """A played GPU whose copies run only when waited for (the copy stream lags), safe for
+    the disk reader's threads, which block on a copy's event (`HostWaits`) until the
+    compute side's wait has run it."""
+
+    def __init__(self) -> None:
+        super().__init__(defer=True, device="cuda:0")
+        self._lock = threading.Condition()
+        self.blocked: list[int] = []  # the copies reads blocked on (whether or not they had run yet)
+
+    def copy_chunks_after(self, chunks: tuple[tuple[torch.Tensor, torch.Tensor], ...], after: object) -> FakeEvent:
+        with self._lock:
+            return super().copy_chunks_after(chunks, after)
+
+    def wait(self, event: object) -> None:
+        with self._lock:
+            super().wait(event)
+            self._lock.notify_all()
+
+    def synchronize(self) -> None:
+        with self._lock:
+            super().synchronize()
+            self._lock.notify_all()
+
+    def block_on(self, event: object) -> None:
+        assert isinstance(event, FakeEvent)
+        with self._lock:
+            self.blocked.append(event.number)
+            self._lock.wait_for(lambda: not self._pending(event), timeout=30)
+            assert not self._pending(event), "the copy out of a staging buffer never ran"
+
+    def _pending(self, event: FakeEvent) -> bool:
+        return any(done == event for done, _, _ in self._queue)
+
+
+@pytest.mark.parametrize("read_ahead", [1, 2, 3])
+def test_copies_that_lag_never_read_a_refilled_staging_buffer(tmp_path: Path, read_ahead: int) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=True)
+    want = step_logits(model)
+    plan, tier, layers = plan_tier(model, checkpoint, read_ahead=read_ahead)
+    rt = DeferredRuntime()
+    offloader = wrap(model, layers, plan, tier, rt, tmp_path)
+    assert _equal(step_logits(model), want)
+    # Every refill of a staging buffer waited for the copy out of it (with one buffer,
+    # every read after the first; the copies lag until their layer waits for them).
+    copies = {entry.done.number for entry in rt.entries(Copy)}
+    assert rt.blocked and set(rt.blocked) <= copies
+    assert len(rt.blocked) >= offloader.stats().steps * (len(tier.disk_positions) - tier.buffers)
+    offloader.restore()
+
+
+def test_layers_out_of_order_still_get_their_own_weights(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    want = step_logits(model)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
+    # A forward that stops part way, at a layer on disk: the next one realigns.
+    stop_at: Any = layers[tier.disk_layers[1]]
+
+    def stop(*_: object) -> None:
+        raise RuntimeError("stopped part way")
+
+    handle = stop_at.register_forward_pre_hook(stop)
+    with pytest.raises(RuntimeError, match="stopped part way"):
+        step_logits(model, steps=1)
+    handle.remove()
+    assert _equal(step_logits(model), want)
+    assert offloader.stats().realignments >= 1
+    offloader.restore()
+
+
+def test_a_failed_read_names_the_file_and_the_next_forward_reads_again(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    want = step_logits(model)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    failing = threading.Event()
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if failing.is_set():
+            raise OSError(errno.EIO, "injected read error")
+        return os.preadv(fd, buffers, offset)
+
+    io = DiskIO(reader=lambda: DiskReader(threads=2, ops=FileOps(preadv=preadv)))
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path, io)
+    assert _equal(step_logits(model, steps=1), want[:1])
+    failing.set()
+    with pytest.raises(ExecutionError) as caught:
+        for _ in range(3):  # the reads staged before the fault may still succeed
+            step_logits(model, steps=1)
+    assert "model.safetensors" in str(caught.value) and "injected read error" in str(caught.value)
+    failing.clear()
+    assert _equal(step_logits(model), want)
+    offloader.restore()
+
+
+def test_a_checkpoint_file_changed_after_planning_is_refused(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    before = weights(model)
+    file = checkpoint / "model.safetensors"
+    os.utime(file, ns=(0, 0))  # the mtime planned no longer holds
+    with pytest.raises(ExecutionError, match="changed after the disk tier was planned.*mtime_ns"):
+        wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
+    assert all(torch.equal(p, before[name]) for name, p in weights(model).items())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_checkpoint_file_changed_before_post_init_is_refused(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    want = step_logits(model)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path, start=False)
+    os.utime(checkpoint / "model.safetensors", ns=(0, 0))
+    with pytest.raises(ExecutionError, match="post_init.*changed after the disk tier was planned"):
+        offloader.post_init()
+    offloader.restore()
+    assert _equal(step_logits(model), want)
+
+
+def test_a_full_spill_disk_leaves_the_model_as_it_was_and_nothing_on_disk(tmp_path: Path) -> None:
+    model = build_model("llama")
+    want = step_logits(model)
+    before = weights(model)
+    plan, tier, layers = plan_tier(model, None)  # everything on disk is spilled
+    writes = [0]
+
+    def pwrite(fd: int, data: memoryview, offset: int) -> int:
+        writes[0] += 1
+        if writes[0] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return os.pwrite(fd, data, offset)
+
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    io = DiskIO(spill=lambda directory: SpillFile(directory, pwrite=pwrite))
+    with pytest.raises(ExecutionError, match="No space left on device"):
+        wrap(model, layers, plan, tier, CpuRuntime(), spill_dir, io)
+    assert writes[0] == 4
+    assert list(spill_dir.iterdir()) == []
+    assert all(torch.equal(p, before[name]) for name, p in weights(model).items())
+    assert _equal(step_logits(model), want)
+    # And it offloads afterwards.
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), spill_dir)
+    assert _equal(step_logits(model), want)
+    offloader.restore()
+    assert list(spill_dir.iterdir()) == []
+
+
+def test_new_weights_for_a_disk_layer_are_refused_and_for_a_host_layer_taken(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
+    inner = offloader.inner
+    on_disk = tier.disk_layers[0]
+    on_host = next(layer for layer in plan.offloaded_layers if layer not in set(tier.disk_layers))
+    name = "mlp.up_proj.weight"
+    shape = layers[on_disk].get_parameter(name).shape
+    with pytest.raises(ExecutionError, match=f"layer {on_disk} parameter '{name}'.*disk-tier weight"):
+        inner.load_weights({f"{on_disk}.{name}": torch.zeros(shape)})
+    with pytest.raises(ExecutionError, match="disk-tier weight"):
+        model.load_state_dict(model.state_dict())
+    changed = build_model("llama", seed=1)
+    new = changed.model.layers[on_host].mlp.up_proj.weight.detach().clone()
+    inner.load_weights({f"{on_host}.{name}": new})
+    offloader.restore()
+    assert torch.equal(layers[on_host].get_parameter(name), new)
+
+
+def test_a_cuda_graph_capture_is_refused(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint, config=OffloadConfig(group_size=6, num_in_group=5))
+    rt = FakeRuntime(device="cuda:0")
+    offloader = wrap(model, layers, plan, tier, rt, tmp_path)
+    offloader.sync_prev_onload()
+    rt.capturing = True
+    with pytest.raises(ExecutionError, match="cannot capture a CUDA graph of a model with a disk tier"):
+        step_logits(model, steps=1)
+    rt.capturing = False
+    offloader.restore()
+
+
+def test_a_tier_of_another_plan_is_refused(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    _, tier, _ = plan_tier(model, checkpoint)
+    other, _, _ = plan_tier(model, checkpoint, config=OffloadConfig(group_size=6, num_in_group=3))
+    with pytest.raises(PlanError, match="the disk tier"):
+        PrefetchOffloader(other, CpuRuntime(), disk=tier, spill_dir=tmp_path)
+
+
+def test_a_spilling_tier_without_a_spill_dir_is_refused_by_name(tmp_path: Path) -> None:
+    model = build_model("llama")
+    plan, tier, _ = plan_tier(model, None)
+    with pytest.raises(ExecutionError, match="no spill_dir was given") as caught:
+        PrefetchOffloader(plan, CpuRuntime(), disk=tier)
+    assert caught.value.name == "spill_dir"
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "spill_dir", "disk_gbps", "read_ahead"])
+def test_disk_options_without_a_host_budget_are_refused_by_name(tmp_path: Path, option: str) -> None:
+    model = build_model("llama")
+    values: dict[str, Any] = {"checkpoint": tmp_path, "spill_dir": tmp_path, "disk_gbps": 2.0, "read_ahead": 3}
+    call: Callable[..., Any] = offload_model
+    with pytest.raises(ConfigError, match=f"{option} is a disk tier option") as caught:
+        call(model, OffloadConfig(group_size=2), runtime=CpuRuntime(), **{option: values[option]})
+    assert caught.value.name == option
