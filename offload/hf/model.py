@@ -11,6 +11,7 @@ one tensor at a time when the model is wrapped, and given back where it was by
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, final
 
@@ -25,6 +26,7 @@ from offload.model.wrappers import inner_tensors, is_wrapper
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
+from offload.pure.disk.tier import DiskTierPlan
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import PROFILES, DeviceProfile, profile_for_device
@@ -111,6 +113,13 @@ class ModelOffloader:
     def plan(self) -> OffloadPlan:
         """The layers' plan (see `Offloader.plan`)."""
         return self._inner.plan
+
+    @property
+    def disk_tier(self) -> DiskTierPlan | None:
+        """The layers' disk tier (`PrefetchOffloader.disk_tier`), or None."""
+        from offload.executors.prefetch import PrefetchOffloader
+
+        return self._inner.disk_tier if isinstance(self._inner, PrefetchOffloader) else None
 
     @normal_tensors
     def wrap_modules(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
@@ -272,6 +281,11 @@ def offload_model(
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
     layers_path: str | Sequence[str] | None = None,
+    host_budget_bytes: int | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    disk_gbps: float | None = None,
+    read_ahead: int = 2,
 ) -> ModelOffloader:
     """Offload a loaded model in one call: find its layer stack, plan, wrap, `post_init`.
 
@@ -294,16 +308,30 @@ def offload_model(
         layers_path: the dotted path of the layer stack to offload, or the paths of
             several in the order they run (default: every stack `find_stacks` finds,
             each prefetched as a cycle of its own).
+        host_budget_bytes: host memory the offloaded weights may take (with the disk
+            tier's staging ring); the last offloaded layers that do not fit are read
+            from disk ahead of their copies (`offload.pure.disk.plan_disk_tier`; prefetch
+            plans). None: every offloaded weight in host memory.
+        checkpoint: with a host budget, the checkpoint the model was loaded from: disk
+            layers are read from it where their bytes are the model's (checked byte for
+            byte at wrap); None: they are written to a spill file.
+        spill_dir: with a host budget, where the spill file goes (a disk with room for
+            the weights not read from the checkpoint; needed when there are any).
+        disk_gbps: with a host budget, the disk's read rate for the estimate, GB/s.
+        read_ahead: with a host budget, the staging buffers (reads ahead of the copies).
 
     Returns:
         The offloader, ready: the model runs offloaded; ``restore()`` gives it back.
 
     Raises:
-        ConfigError, PlanError: see `plan_model` and `find_layers`; a model on meta.
+        ConfigError, PlanError: see `plan_model` and `find_layers`; a model on meta; a
+            host budget the plan cannot meet, or disk options without a host budget.
         ExecutionError: a move failed; the model is left as it was.
     """
     return offload_stacks(model, find_stacks(model, layers_path), config, device_budget_bytes=device_budget_bytes,
-                          env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload)
+                          env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
+                          host_budget_bytes=host_budget_bytes, checkpoint=checkpoint, spill_dir=spill_dir,
+                          disk_gbps=disk_gbps, read_ahead=read_ahead)
 
 
 def offload_stacks(
@@ -317,10 +345,21 @@ def offload_stacks(
     reserve_bytes: int = 0,
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
+    host_budget_bytes: int | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    disk_gbps: float | None = None,
+    read_ahead: int = 2,
 ) -> ModelOffloader:
     """`offload_model` of the given stacks of `model` (found by the caller: `find_stacks`,
     or every component's of a pipeline, `offload.diffusers.offload_pipeline`); the rest of
     `model` goes to the device. Arguments and errors as `offload_model`'s."""
+    if host_budget_bytes is None:
+        given = next((name for name, value in (("checkpoint", checkpoint), ("spill_dir", spill_dir),
+                                               ("disk_gbps", disk_gbps)) if value is not None), None)
+        if given is not None or read_ahead != 2:
+            raise ConfigError(f"{given or 'read_ahead'} is a disk tier option: give host_budget_bytes too",
+                              name=given or "read_ahead", value=host_budget_bytes)
     if env is None:
         from offload.capture import capture_env
 
@@ -345,9 +384,15 @@ def offload_stacks(
                         f"{format_bytes(_outside_bytes(rest))})", name=exc.name, value=exc.value) from exc
     from offload.create import create_offloader, default_runtime
 
+    disk = None
+    if host_budget_bytes is not None:
+        from offload.hf.disk import plan_model_disk
+
+        disk = plan_model_disk(model, layers, plan, env, host_budget_bytes=host_budget_bytes, checkpoint=checkpoint,
+                               disk_gbps=disk_gbps, read_ahead=read_ahead)
     rt = runtime if runtime is not None else default_runtime(plan)
     _refuse_wrappers_to_move(rest, rt.device)
-    offloader = ModelOffloader(model, layers, create_offloader(plan, rt), rt)
+    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=disk, spill_dir=spill_dir), rt)
     offloader.wrap_modules(layers)
     try:
         offloader.post_init()
