@@ -85,11 +85,14 @@ class StagingRing:
         self._pending: dict[int, list[ReadHandle]] = {}
         # Per buffer, what a refill waits for: the last device copy out of it (`copied`).
         self._after: list[Callable[[], object] | None] = [None] * len(self._buffers)
-        # Each disk position's next occupant of its buffer in read order (itself: the
-        # buffer is its alone and stays filled).
-        order = tier.read_order
-        count = len(self._buffers)
-        self._next_of = {position: order[(k + count) % len(order)] for k, position in enumerate(order)}
+        # Each disk position's next occupant of its buffer: the next read of the buffer in
+        # read order, else its first read of the next pass (itself: the buffer is its alone
+        # and stays filled).
+        order, staging = tier.read_order, tier.staging
+        self._next_of: dict[int, int] = {}
+        for k, position in enumerate(order):
+            same = [j for j in range(len(order)) if staging[j] == staging[k]]
+            self._next_of[position] = order[next((j for j in same if j > k), same[0])]
         self._waited_ns = 0
 
     def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
@@ -122,14 +125,17 @@ class StagingRing:
             self._settle(self._pending.pop(previous, []))
         self._holds[buffer] = position
         wait = after if after is not None else self._after[buffer]
+        submitted: list[ReadHandle] = []
         try:
-            self._pending[position] = [
-                self._reader.submit(source, at, n, self._buffers[buffer][offset:offset + n], before=wait)
-                for _, source, at, offset, n in self._reads[position]]
+            for _, source, at, offset, n in self._reads[position]:
+                submitted.append(self._reader.submit(source, at, n, self._buffers[buffer][offset:offset + n],
+                                                     before=wait))
         except ValueError as exc:
+            self._settle(submitted)  # nothing of it may still write the buffer
             self._holds[buffer] = None
             raise ExecutionError(f"disk position {position}: its reads could not start: {exc}", name="reader",
                                  value=position) from exc
+        self._pending[position] = submitted
 
     def copied(self, position: int, wait: Callable[[], object]) -> None:
         """A device copy out of `position`'s buffer was issued; `wait` blocks until it is
