@@ -13,6 +13,8 @@ import bisect
 import functools
 import importlib.util
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -116,6 +118,7 @@ class CudaRuntime:
         # blocks, and ranges registered elsewhere (`note_registered`). Sorted start
         # addresses, and start -> (end, pieces).
         self._range_starts: list[int] = []
+        self._threads = threading.local()  # per thread: the device `block_on` set current
         self._ranges: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
@@ -265,7 +268,10 @@ class CudaRuntime:
                                    functools.partial(alloc_host_tensor, *layout))
         if locked is None:
             return host_empty_like(tensor)
-        self._locked[locked.tensor.data_ptr()] = locked
+        start = locked.tensor.data_ptr()
+        self._locked[start] = locked
+        if len(locked.pieces) > 1:  # views into it at an offset (a staging buffer's) are cut at its pieces too
+            self._add_range(start, start + locked.tensor.untyped_storage().nbytes(), locked.pieces)
         return locked.tensor
 
     def is_pinned(self, host: torch.Tensor) -> bool:
@@ -289,6 +295,8 @@ class CudaRuntime:
         (they stay readable); an allocation is freed once no tensor uses it. A member of a
         block gives the block back with the last of its members."""
         locked = self._locked.pop(host.data_ptr(), None)
+        if locked is not None:
+            self._drop_range(host.data_ptr())
         block = self._member_of.pop(host.data_ptr(), None)
         if block is not None:
             block.live.discard(host.data_ptr())
@@ -433,11 +441,20 @@ class CudaRuntime:
             self._copied_ms += start.elapsed_time(done)
 
     def block_on(self, event: object) -> None:
-        """Block the calling thread until `event` is done (`HostWaits`; the GIL is
-        released meanwhile)."""
+        """Block the calling thread until `event` is done (`HostWaits`), polling it with
+        short sleeps: the copies' events are not blocking-sync events, and a synchronize
+        on them may spin a core per waiting thread. The thread's current device is set
+        to this runtime's first (a thread that has never set it would make a context on
+        device 0)."""
         if not isinstance(event, torch.cuda.Event):
             raise ExecutionError(f"not an event of this runtime: {event!r}", name="event", value=event)
-        event.synchronize()
+        if getattr(self._threads, "device", None) != self._device:
+            torch.cuda.set_device(self._device)
+            self._threads.device = self._device
+        pause = 50e-6
+        while not event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     def waited_seconds(self) -> float:
         """Seconds the compute stream stood still in `wait` (outside captures), over the
