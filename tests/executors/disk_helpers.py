@@ -23,7 +23,7 @@ from offload.protocols import Runtime
 from offload.pure.disk.tier import DiskTierPlan
 from tests.hf.checkpoints import VOCAB
 
-__all__ = ["PLAN", "build_model", "plan_tier", "wrap", "weights"]
+__all__ = ["PLAN", "build_model", "plan_tier", "read_per_pass", "wrap", "weights"]
 
 
 def _llama() -> PretrainedConfig:
@@ -57,10 +57,11 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2,
-              config: OffloadConfig = PLAN) -> tuple[OffloadPlan, DiskTierPlan, list[nn.Module]]:
-    """`model`'s plan, its disk tier for a host budget one byte short of the plan's host
-    copies, and its layers."""
+def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2, config: OffloadConfig = PLAN,
+              disk_layers: int | None = None) -> tuple[OffloadPlan, DiskTierPlan, list[nn.Module]]:
+    """`model`'s plan, its disk tier and its layers: for a host budget one byte short of
+    the plan's host copies, or the budget that puts exactly `disk_layers` layers on disk
+    (more than `read_ahead`: with fewer the ring saves nothing)."""
     stacks = find_stacks(model, None)
     layers = [layer for stack in stacks for layer in stack]
     plan = plan_model(describe_stacks(stacks), EnvSnapshot(), config=config, device_budget_bytes=None,
@@ -68,6 +69,13 @@ def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2,
     tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=plan.host_bytes - 1,
                            checkpoint=checkpoint, disk_gbps=None, read_ahead=read_ahead)
     assert tier is not None
+    if disk_layers is not None:
+        assert disk_layers > read_ahead
+        layer = tier.disk_bytes // len(tier.disk_positions)  # every layer is alike here
+        budget = plan.host_bytes - disk_layers * layer + read_ahead * tier.staging_bytes
+        tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=budget, checkpoint=checkpoint,
+                               disk_gbps=None, read_ahead=read_ahead)
+        assert tier is not None and len(tier.disk_positions) == disk_layers
     return plan, tier, layers
 
 
@@ -80,3 +88,12 @@ def wrap(model: nn.Module, layers: Sequence[nn.Module], plan: OffloadPlan, tier:
     if start:
         offloader.post_init()
     return offloader
+
+
+def read_per_pass(tier: DiskTierPlan) -> int:
+    """Bytes a pass reads: the disk layers that share their staging buffer (a layer alone
+    in its buffer is read once and stays)."""
+    layer_at = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
+    sharing = {layer_at[position] for k, position in enumerate(tier.read_order)
+               if tier.staging.count(tier.staging[k]) > 1}
+    return sum(p.nbytes for p in tier.params if p.layer in sharing)

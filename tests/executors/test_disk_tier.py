@@ -23,7 +23,7 @@ from offload.hf import offload_model
 from offload.runtime.cpu import CpuRuntime
 from offload.runtime.diskio import DiskReader, FileOps
 from offload.runtime.spill import SpillFile
-from tests.executors.disk_helpers import build_model, plan_tier, weights, wrap
+from tests.executors.disk_helpers import build_model, plan_tier, read_per_pass, weights, wrap
 from tests.executors.fakes import Copy, FakeEvent, FakeRuntime
 from tests.hf.checkpoints import save, step_logits
 
@@ -245,3 +245,51 @@ def test_disk_options_without_a_host_budget_are_refused_by_name(tmp_path: Path, 
     with pytest.raises(ConfigError, match=f"{option} is a disk tier option") as caught:
         call(model, OffloadConfig(group_size=2), runtime=CpuRuntime(), **{option: values[option]})
     assert caught.value.name == option
+
+
+@pytest.mark.parametrize("way", ["parameter", "state_dict"])
+def test_a_disk_weight_written_before_post_init_is_copied_again(tmp_path: Path, way: str) -> None:
+    """Post-processing that writes a disk weight in place between wrap and post_init: its
+    copy maps the checkpoint privately, so the write is not in the file the reads come
+    from; post_init sees it (the version counters) and spills the weight as it is now."""
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path, start=False)
+    layer: Any = layers[tier.disk_layers[-1]]
+    with torch.no_grad():
+        if way == "parameter":
+            layer.mlp.up_proj.weight.mul_(2.0)
+        else:
+            model.state_dict()[f"model.layers.{tier.disk_layers[-1]}.mlp.up_proj.weight"].mul_(2.0)
+    # The resident model computing with the doubled weight is what the offloaded one must equal.
+    reference = build_model("llama")
+    with torch.no_grad():
+        reference.model.layers[tier.disk_layers[-1]].mlp.up_proj.weight.mul_(2.0)
+    want = step_logits(reference)
+    offloader.post_init()
+    assert _equal(step_logits(model), want)
+    offloader.restore()
+    assert torch.equal(layer.mlp.up_proj.weight, reference.model.layers[tier.disk_layers[-1]].mlp.up_proj.weight)
+
+
+@pytest.mark.parametrize("read_ahead", [1, 2, 3])
+def test_each_pass_reads_each_disk_layer_once(tmp_path: Path, read_ahead: int) -> None:
+    """However many disk layers there are for the ring (one more than its buffers: not a
+    multiple of them but for one buffer), a pass reads each layer that shares its buffer
+    once, and a layer alone in its buffer stays there: staging ahead never reads over a
+    layer the pass still needs."""
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint, read_ahead=read_ahead, disk_layers=read_ahead + 1)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
+    step_logits(model)
+    offloader.restore()  # the reads staged ahead for a next pass finish
+    stats = offloader.stats()
+    size = {p.layer: 0 for p in tier.params}
+    for p in tier.params:
+        size[p.layer] += p.nbytes
+    layer_at = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
+    ahead = sum(size[layer_at[position]] for position in tier.read_order[:tier.buffers])  # staged by post_init
+    assert read_per_pass(tier) >= 2 * min(size.values()) and stats.steps > 1
+    assert stats.disk_bytes_read == stats.steps * read_per_pass(tier) + ahead

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 import attrs
 import torch
+from torch import nn
 
 from offload.errors import ExecutionError, PlanError
-from offload.executors.common import Ref
+from offload.executors.common import Ref, find_parameter
 from offload.executors.diskhost import DiskHost
+from offload.executors.hoststore import HostStore
 from offload.executors.staging import StagingRing
 from offload.model.checkpoint import changed_files
 from offload.protocols import Event, HostWaits, Runtime
@@ -102,6 +104,8 @@ class DiskStream:
         self._buffers: list[torch.Tensor] = []
         self._rt: Runtime | None = None
         self._disk = frozenset(tier.disk_positions)
+        self._versions: dict[Ref, tuple[nn.Parameter, int, torch.Tensor, int]] = {}  # at wrap (`written`)
+        self.fallbacks = 0  # staging buffers the plan pins that stayed pageable
         self._read_bytes = 0  # of readers closed before
         self._read_seconds = 0.0
         self._waited = 0.0
@@ -110,9 +114,28 @@ class DiskStream:
         """Refuse to map files that changed since planning."""
         _refuse_changed_files(self.tier, "wrap_modules")
 
-    def after_wrap(self) -> None:
-        """Every copy is made: the spill file goes to the disk (and out of the page cache)."""
-        self.host.finish()
+    def wrapped(self, layers: Sequence[nn.Module], host: HostStore) -> None:
+        """After wrap: note each disk parameter's version counter and its copy's, so that
+        post_init sees a write into one (`written`)."""
+        self._versions = {}
+        for p in self.tier.params:
+            param = find_parameter(layers[p.layer], p.name)
+            copy = host.get((p.layer, p.name))
+            if param is not None and copy is not None:
+                self._versions[(p.layer, p.name)] = (param, param._version, copy, copy._version)
+
+    def written(self, ref: Ref, param: nn.Parameter) -> bool:
+        """Whether disk parameter `ref` (now `param`) was written in place since wrap: its
+        copy maps its file privately, so the write went to this process's copy of the
+        page and the reads from the file would not bring it (post_init then copies it
+        again: to the spill file)."""
+        entry = self._versions.get(ref)
+        if entry is None:
+            return False
+        before, version, copy, copy_version = entry
+        if before is not param or param.data_ptr() != copy.data_ptr():
+            return False  # replaced since: the storage check sees it (or it was copied again already)
+        return param._version != version or copy._version != copy_version
 
     def start(self, plan: OffloadPlan, rt: Runtime) -> None:
         """At post_init (`plan` as revised): check the files and the tier, allocate the
@@ -130,6 +153,10 @@ class DiskStream:
         like = torch.empty(tier.staging_bytes, dtype=torch.uint8, device="meta")
         self._rt = rt
         self._buffers = [rt.host_empty(like, pin=plan.pin.method) for _ in range(tier.buffers)]
+        self.fallbacks = sum(1 for b in self._buffers if plan.pin.pin and b.numel() and not rt.is_pinned(b))
+        if self.fallbacks:
+            log.warning("%d of %d disk staging buffers stayed in pageable memory (pinning them failed): each copy "
+                        "out of one blocks until the copy stream reaches it", self.fallbacks, len(self._buffers))
         specs = {(p.layer, p.param.name): p.param for p in plan.offloaded_params if p.layer in set(tier.disk_layers)}
         self._reader = self._io.reader()
         self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs)

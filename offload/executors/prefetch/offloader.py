@@ -128,6 +128,8 @@ class PrefetchOffloader(NewWeights):
                                      "wrap_modules")
         self._restorer = Restorer(layers, self._host, self._origin, from_host, self._rt, views, unpacked)
         self._layers = layers
+        if self._disk is not None:
+            self._disk.wrapped(layers, self._host)
         self._handle = ops.register(self)
         # Hooks know their layer, not their schedule position: post_init may revise the
         # plan (a layer whose offloaded parameters were all deleted leaves the schedule).
@@ -304,6 +306,8 @@ class PrefetchOffloader(NewWeights):
         """Whether `param`'s data is no longer the host copy behind it."""
         expected = self._host.get(p.tied_to or (p.layer, p.name))
         key = storage_key(param.data)
+        if self._disk is not None and self._disk.written((p.layer, p.name), param):
+            return True  # its copy maps its file privately: the write is not in the file (Note [disk tier])
         return expected is None or key is None or key != storage_key(expected)
 
     @normal_tensors

@@ -146,7 +146,7 @@ class PrefetchState:
             copies_issued=self._copies_issued,
             bytes_copied=self._bytes_copied,
             wait_seconds=self._rt.waited_seconds(),
-            pin_fallbacks=self._host.fallbacks,
+            pin_fallbacks=self._host.fallbacks + (disk.fallbacks if disk is not None else 0),
             realignments=self._realignments,
             steps=self._steps,
             copy_seconds=self._rt.copy_seconds(),
