@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tflops", type=number, help="achieved dense bf16 TFLOP/s (overrides the profile's)")
     plan.add_argument("--host-gib", type=positive_gib,
                       help="prefetch: host GiB the offloaded weights may take; the last offloaded layers that do "
-                      "not fit go to disk (shown as a third tier; no executor runs it yet)")
+                      "not fit go to disk (shown as a third tier)")
     plan.add_argument("--disk-gbps", type=number, help=f"with --host-gib: the disk's read GB/s for the estimate "
                       f"(default {DEFAULT_DISK_GBPS:g}, assumed)")
     plan.add_argument("--read-ahead", type=positive_int,
