@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload.errors import CheckpointError
+from offload.errors import CheckpointError, ConfigError
 from offload.hf.model import ModelOffloader, offload_model
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
@@ -274,9 +274,15 @@ def offload_pretrained(
     workload: Workload | None = None,
     layers_path: str | Sequence[str] | None = None,
     model_class: Any = None,
+    host_budget_bytes: int | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    disk_gbps: float | None = None,
+    read_ahead: int = 2,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, ModelOffloader]:
-    """Load a local checkpoint and offload it: `load_on_host`, then `offload_model`.
+    """Load a local checkpoint and offload it: `load_on_host`, then `offload_model`; with
+    `host_budget_bytes`, streamed from the checkpoint instead (`offload.hf.streamed`), so
+    that the layers that go to disk are never in host memory.
 
     The model is never materialised on the device: it is loaded into host memory and
     each tensor then goes to where the plan puts it. The class built is the one that was
@@ -289,6 +295,12 @@ def offload_pretrained(
         config, device_budget_bytes, env, runtime, reserve_bytes, profile, workload,
             layers_path: as for `offload_model`.
         dtype, model_class, kwargs: as for `load_on_host`.
+        host_budget_bytes, spill_dir, disk_gbps, read_ahead: the disk tier, as for
+            `offload_model` (its `checkpoint` is `path`). The model is then built with
+            its parameters on meta and its weights read by name from the checkpoint one
+            tensor at a time, the disk layers' mapped where they lie; `kwargs` are
+            refused, and so are checkpoints whose names or layouts transformers converts
+            at load (see `offload.hf.streamed`).
 
     Returns:
         The model, in eval mode, and its offloader (ready: ``post_init`` has run).
@@ -298,8 +310,53 @@ def offload_pretrained(
             built, or not every weight loaded (as for `load_on_host`).
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
+    if host_budget_bytes is not None:
+        return _streamed(path, config, host_budget_bytes=host_budget_bytes, spill_dir=spill_dir, disk_gbps=disk_gbps,
+                         read_ahead=read_ahead, device_budget_bytes=device_budget_bytes, env=env, dtype=dtype,
+                         runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
+                         layers_path=layers_path, model_class=model_class, kwargs=kwargs)
+    if spill_dir is not None or disk_gbps is not None or read_ahead != 2:
+        given = "spill_dir" if spill_dir is not None else "disk_gbps" if disk_gbps is not None else "read_ahead"
+        raise ConfigError(f"{given} is a disk tier option: give host_budget_bytes too", name=given, value=None)
     model = load_on_host(path, dtype=dtype, model_class=model_class, **kwargs)
     offloader = offload_model(model, config, device_budget_bytes=device_budget_bytes, env=env, runtime=runtime,
                               reserve_bytes=reserve_bytes, profile=profile, workload=workload,
                               layers_path=layers_path)
     return model, offloader
+
+
+def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, *, host_budget_bytes: int,
+              spill_dir: str | os.PathLike[str] | None, disk_gbps: float | None, read_ahead: int,
+              device_budget_bytes: int | None, env: EnvSnapshot | None, dtype: torch.dtype | None,
+              runtime: Runtime | None, reserve_bytes: int, profile: DeviceProfile | None, workload: Workload | None,
+              layers_path: str | Sequence[str] | None, model_class: Any,
+              kwargs: Mapping[str, Any]) -> tuple[PreTrainedModel, ModelOffloader]:
+    """`offload_pretrained` with a host budget: `offload.hf.streamed.load_streamed`."""
+    from offload.hf.streamed import load_streamed
+
+    if kwargs:
+        raise ConfigError(f"from_pretrained options ({', '.join(sorted(kwargs))}) are not taken with "
+                          "host_budget_bytes: the weights are read from the checkpoint as they are stored",
+                          name=sorted(kwargs)[0], value=None)
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise CheckpointError(f"{root}: no config.json", name=str(root / "config.json"), value=None)
+    source = "given"
+    if model_class is None:
+        model_class, source = saved_class(root / "config.json")
+    if model_class is None:
+        raise CheckpointError(f"{root}: config.json names no architectures ({source}): {_PASS_CLASS}",
+                              name=str(root), value=None)
+    if env is None:
+        from offload.capture import capture_env
+
+        env = capture_env()
+    log.info("loading %s as %s (%s), streamed: host budget %s", root, getattr(model_class, "__name__", model_class),
+             source, format_bytes(host_budget_bytes))
+    model, offloader = load_streamed(root, model_class, config, host_budget_bytes=host_budget_bytes,
+                                     spill_dir=spill_dir, disk_gbps=disk_gbps, read_ahead=read_ahead,
+                                     device_budget_bytes=device_budget_bytes, env=env, dtype=dtype, runtime=runtime,
+                                     reserve_bytes=reserve_bytes, profile=profile, workload=workload,
+                                     layers_path=layers_path)
+    loaded: PreTrainedModel = model  # type: ignore[assignment]  # a transformers model, built from its class
+    return loaded, offloader

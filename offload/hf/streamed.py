@@ -1,0 +1,250 @@
+"""`offload_pretrained(path, ..., host_budget_bytes=)`: a checkpoint larger than host memory,
+loaded without ever holding its disk tier there.
+
+`load_on_host` has transformers load every weight into host memory, which a model larger
+than host memory cannot afford. With a host budget the model is loaded here instead:
+
+1. The saved class is built with its parameters on meta and its buffers real (rotary
+   tables and the like are computed as the class computes them), weights tied as the
+   class ties them.
+2. The plan and its disk tier are made from it (`plan_model`, `plan_model_disk`).
+3. The weights outside the layers are read from the checkpoint, one tensor at a time.
+4. The layers are wrapped: a disk parameter's host copy is its checkpoint bytes, mapped
+   where they lie (nothing read); every other parameter gets host (or device) memory.
+5. The other layer weights are read from the checkpoint into their copies, one tensor at
+   a time (`load_weights`), and `post_init` runs.
+
+Host memory peaks at the host tier, the staging ring, the weights outside the layers and
+one tensor. The weights are read by their names in the model: a checkpoint whose names
+or layouts transformers converts at load (renamed keys, MoE experts fused), a `dtype`
+other than the one stored for a disk weight, or quantisation at load are refused, naming
+the first weight; load those without a host budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.errors import CheckpointError, ExecutionError
+from offload.executors.common import torch_dtype
+from offload.hf.disk import plan_model_disk
+from offload.hf.layers import find_stacks
+from offload.hf.model import plan_model
+from offload.hf.offloader import ModelOffloader, outside_bytes, outside_tensors
+from offload.model.checkpoint import checkpoint_extents
+from offload.model.describe import describe_stacks
+from offload.protocols import Runtime
+from offload.pure.config import OffloadConfig
+from offload.pure.disk.tier import DiskSource
+from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import DeviceProfile
+from offload.pure.spec.extents import DiskExtent
+from offload.pure.spec.safetensors import TensorHeader
+from offload.pure.units import format_bytes
+
+__all__ = ["load_streamed", "params_on_meta"]
+
+log = logging.getLogger("offload.load")
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """While in it, every parameter a module registers is put on meta (its memory freed at
+    once); buffers stay where they are made. Not thread-safe: it patches
+    ``nn.Module.register_parameter`` for the time being."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            moved = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]  # restored below
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]  # as it was
+
+
+def read_tensor(extent: DiskExtent, header: TensorHeader) -> torch.Tensor:
+    """The tensor `header` describes, read from its bytes (`extent`) into new host memory
+    (and then dropped from the page cache).
+
+    Raises:
+        CheckpointError: the read failed or came up short.
+    """
+    out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
+    view: memoryview = out.reshape(-1).view(torch.uint8).numpy().data
+    done = 0
+    try:
+        fd = os.open(extent.path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {extent.path!r}: {exc}", name=extent.path, value=header.name) from exc
+    try:
+        while done < extent.length:
+            got = os.preadv(fd, [view[done:]], extent.offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{extent.path}: ends {extent.length - done} bytes into tensor {header.name!r}",
+                                      name=extent.path, value=header.name)
+            done += got
+        with contextlib.suppress(OSError):  # read once: not kept in the page cache
+            os.posix_fadvise(fd, extent.offset, extent.length, os.POSIX_FADV_DONTNEED)
+    except OSError as exc:
+        raise CheckpointError(f"reading tensor {header.name!r} from {extent.path!r} failed: {exc}",
+                              name=extent.path, value=header.name) from exc
+    finally:
+        os.close(fd)
+    return out
+
+
+def _build(model_class: Any, root: Path, dtype: torch.dtype) -> nn.Module:
+    """The saved class from `root`'s config, parameters on meta, buffers real, in eval mode."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    with params_on_meta():
+        model: nn.Module = model_class._from_config(config, dtype=dtype)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    model.eval()
+    return model
+
+
+def _stored_dtype(tensors: Mapping[str, TensorHeader]) -> torch.dtype:
+    """The dtype most of the checkpoint's floating-point bytes are stored in."""
+    counts: dict[str, int] = {}
+    for header in tensors.values():
+        if torch_dtype(header.dtype).is_floating_point:
+            counts[header.dtype] = counts.get(header.dtype, 0) + header.end - header.begin
+    if not counts:
+        raise CheckpointError("the checkpoint holds no floating-point tensor", name="dtype", value=None)
+    return torch_dtype(max(counts, key=lambda name: counts[name]))
+
+
+def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str, TensorHeader],
+             extents: Mapping[str, DiskExtent]) -> None:
+    """Read every parameter outside the layers (a tie once, under any of its names) and
+    every persistent buffer the checkpoint holds, from the checkpoint."""
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for (module, name, is_param), tensor in outside_tensors(model, layers):
+        full = f"{names[id(module)]}.{name}".lstrip(".")
+        if is_param and isinstance(tensor, nn.Parameter):
+            slots.setdefault(id(tensor), []).append((module, name))
+            params[id(tensor)] = tensor
+        elif full in tensors:  # a persistent buffer saved with the weights
+            module._buffers[name] = read_tensor(extents[full], tensors[full]).to(tensor.dtype)
+    for key, param in params.items():
+        where = slots[key]
+        found = next((f"{names[id(m)]}.{n}".lstrip(".") for m, n in where
+                      if f"{names[id(m)]}.{n}".lstrip(".") in tensors), None)
+        if found is None:
+            shown = ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in where)
+            raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (transformers renames or "
+                                  "converts it at load): load without host_budget_bytes", name=shown, value=None)
+        data = read_tensor(extents[found], tensors[found])
+        if tuple(data.shape) != tuple(param.shape):
+            raise CheckpointError(f"{found}: {tuple(data.shape)} in the checkpoint, {tuple(param.shape)} in the model",
+                                  name=found, value=tuple(data.shape))
+        new = nn.Parameter(data.to(param.dtype), requires_grad=param.requires_grad)
+        for module, name in where:
+            module._parameters[name] = new
+
+
+def _layer_weights(plan_params: Sequence[tuple[int, str]], layer_names: Sequence[str],
+                   tensors: Mapping[str, TensorHeader], extents: Mapping[str, DiskExtent],
+                   dtypes: Mapping[tuple[int, str], torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each layer weight to load, as `load_weights` names it, read from the checkpoint as
+    it is asked for (one tensor in host memory at a time)."""
+    for layer, name in plan_params:
+        full = f"{layer_names[layer]}.{name}"
+        header = tensors.get(full)
+        if header is None:
+            raise CheckpointError(f"{full}: not in the checkpoint under the model's name (transformers renames or "
+                                  "fuses it at load): load without host_budget_bytes", name=full, value=None)
+        yield f"{layer}.{name}", read_tensor(extents[full], header).to(dtypes[(layer, name)])
+
+
+def load_streamed(
+    path: str | os.PathLike[str],
+    model_class: Any,
+    config: OffloadConfig | None,
+    *,
+    host_budget_bytes: int,
+    spill_dir: str | os.PathLike[str] | None,
+    disk_gbps: float | None,
+    read_ahead: int,
+    device_budget_bytes: int | None,
+    env: EnvSnapshot,
+    dtype: torch.dtype | None,
+    runtime: Runtime | None,
+    reserve_bytes: int,
+    profile: DeviceProfile | None,
+    workload: Workload | None,
+    layers_path: str | Sequence[str] | None,
+) -> tuple[nn.Module, ModelOffloader]:
+    """`offload_pretrained` with a host budget (see the module docstring).
+
+    Raises:
+        CheckpointError: a weight is not in the checkpoint under the model's name, or of
+            another shape; a disk weight would have to be converted (a `dtype` other than
+            the stored one).
+        ConfigError, PlanError, ExecutionError: as for `offload_model`.
+    """
+    root = Path(path)
+    found = checkpoint_extents(root)
+    chosen = dtype if dtype is not None else _stored_dtype(found.tensors)
+    start = time.monotonic()
+    model = _build(model_class, root, chosen)
+    stacks = find_stacks(model, layers_path)
+    layers = [layer for stack in stacks for layer in stack]
+    spec = describe_stacks(stacks)
+    rest = outside_tensors(model, layers)
+    plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
+                      outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
+                      workload=workload)
+    tier = plan_model_disk(model, layers, plan, env, host_budget_bytes=host_budget_bytes, checkpoint=root,
+                           disk_gbps=disk_gbps, read_ahead=read_ahead)
+    spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
+    if spilled is not None:
+        raise CheckpointError(f"layer {spilled.layer} parameter {spilled.name!r} would go to disk but cannot be read "
+                              f"from the checkpoint as the model holds it ({spilled.reason}): load without "
+                              "host_budget_bytes, or with the dtype it is stored in", name=spilled.name,
+                              value=spilled.layer)
+    _outside(model, layers, found.tensors, found.extents)
+    from offload.create import create_offloader, default_runtime
+
+    rt = runtime if runtime is not None else default_runtime(plan)
+    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=spill_dir), rt)
+    offloader.wrap_modules(layers)
+    try:
+        names = {id(module): name for name, module in model.named_modules()}
+        layer_names = [names[id(layer)] for layer in layers]
+        on_disk = {(p.layer, p.name) for p in tier.params} if tier is not None else set()
+        wanted = [(p.layer, p.name) for p in plan.params if p.tied_to is None and (p.layer, p.name) not in on_disk]
+        dtypes = {(p.layer, p.name): torch_dtype(p.param.dtype) for p in plan.params}
+        offloader.inner.load_weights(_layer_weights(wanted, layer_names, found.tensors, found.extents, dtypes))
+        offloader.post_init()
+    except BaseException as exc:
+        offloader.restore()
+        if not isinstance(exc, Exception) or isinstance(exc, CheckpointError):
+            raise
+        raise ExecutionError(f"loading the layers' weights failed, nothing kept: {exc}", name="load",
+                             value=type(exc).__name__) from exc
+    total = plan.host_bytes + plan.device_bytes_resident
+    log.info("loaded %s (%d layers on disk) in %.2f s", format_bytes(total),
+             len(tier.disk_positions) if tier is not None else 0, time.monotonic() - start)
+    return model, offloader
