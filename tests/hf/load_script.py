@@ -10,6 +10,10 @@ peak (``VmHWM``, the high-water mark of the resident set) belongs to one way of 
   ``--group-size``-th layer offloaded, depth 2), then one forward; then the peak is reset
   (``5`` written to /proc/self/clear_refs) and ``restore()`` runs, so that the
   ``restored`` stage's ``VmHWM`` is the peak of restoring alone.
+- ``disk DIR --host-budget-mib N --spill-dir S``: `offload_pretrained` with a host budget
+  (the disk tier; every layer offloaded, depth 2), then one forward; the report adds the
+  disk tier's bytes and how many bytes of the checkpoint's files are in the page cache
+  after the forward (``mincore``: `cached_bytes`).
 
 It prints one JSON object on stdout: ``VmHWM``, ``VmRSS``, ``RssAnon`` and ``RssFile``
 from /proc/self/status after each stage (bytes; ``VmHWM`` is the peak since the start, or
@@ -31,7 +35,7 @@ from typing import Any
 
 STATUS = Path("/proc/self/status")
 FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
-MODES = ("baseline", "resident", "offload")
+MODES = ("baseline", "resident", "offload", "disk")
 TOKENS = 8
 
 
@@ -78,6 +82,27 @@ def build(directory: Path, *, hidden: int = 1024, layers: int = 8, vocab: int = 
     return nbytes
 
 
+def cached_bytes(directory: Path) -> int:
+    """Bytes of `directory`'s safetensors files in the page cache (``mincore`` of a private
+    mapping of each: asking faults nothing in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = 0
+    for file in sorted(directory.glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as region:
+            pages = -(-size // page)
+            vector = (ctypes.c_ubyte * pages)()
+            address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {file} failed")
+            total += sum(1 for v in vector if v & 1) * page
+    return total
+
+
 def _sizes(model: Any) -> dict[str, int]:
     params = list(model.parameters())
     return {
@@ -95,7 +120,8 @@ def _forward(model: Any) -> None:
         model(input_ids=ids)
 
 
-def run(mode: str, directory: Path, *, group_size: int = 1) -> dict[str, Any]:
+def run(mode: str, directory: Path, *, group_size: int = 1, host_budget: int | None = None,
+        spill_dir: Path | None = None) -> dict[str, Any]:
     """Do `mode` on `directory`; the report (see the module docstring)."""
     stages: dict[str, dict[str, int]] = {}
     seconds: dict[str, float] = {}
@@ -115,6 +141,18 @@ def run(mode: str, directory: Path, *, group_size: int = 1) -> dict[str, Any]:
         if mode == "resident":
             model = offload.hf.load_on_host(directory)
             offloader = None
+        elif mode == "disk":
+            config = OffloadConfig(backend="prefetch", group_size=1, prefetch_step=2)
+            model, offloader = offload.hf.offload_pretrained(directory, config, host_budget_bytes=host_budget,
+                                                             spill_dir=spill_dir)
+            tier = offloader.disk_tier
+            plan = offloader.plan
+            report["plan"] = {"backend": plan.backend.value, "offloaded_layers": len(plan.offloaded_layers),
+                              "buffer_bytes": plan.device_bytes_buffers, "host_bytes": plan.host_bytes}
+            report["disk"] = None if tier is None else {
+                "layers": len(tier.disk_positions), "disk_bytes": tier.disk_bytes,
+                "host_tier_bytes": tier.host_tier_bytes, "ring_bytes": tier.staging_ring_bytes,
+                "spill_bytes": tier.spill_bytes}
         else:
             config = OffloadConfig(backend="prefetch", group_size=group_size, num_in_group=1, prefetch_step=2)
             model, offloader = offload.hf.offload_pretrained(directory, config)
@@ -128,6 +166,10 @@ def run(mode: str, directory: Path, *, group_size: int = 1) -> dict[str, Any]:
         _forward(model)
         seconds["forward"] = time.monotonic() - start
         stages["forward"] = memory()
+        if mode == "disk" and offloader is not None:
+            report["disk"]["read_bytes"] = offloader.stats().disk_bytes_read
+            report["cached_bytes"] = cached_bytes(directory)
+            return report
         if offloader is not None:
             reset_peak()
             start = time.monotonic()
@@ -143,12 +185,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--group-size", type=int, default=1,
                         help="offload: offload every N-th layer (default 1: every layer)")
+    parser.add_argument("--host-budget-mib", type=int, help="disk: the host budget, MiB")
+    parser.add_argument("--spill-dir", type=Path, help="disk: where a spill file may go")
     args = parser.parse_args(argv)
+    if args.mode == "disk" and args.host_budget_mib is None:
+        parser.error("disk needs --host-budget-mib")
     if not STATUS.is_file():
         print(f"load_script: {STATUS} is missing: peak host memory (VmHWM) cannot be read on this system",
               file=sys.stderr)
         return 3
-    print(json.dumps(run(args.mode, args.directory, group_size=args.group_size)))
+    budget = args.host_budget_mib << 20 if args.host_budget_mib is not None else None
+    print(json.dumps(run(args.mode, args.directory, group_size=args.group_size, host_budget=budget,
+                         spill_dir=args.spill_dir)))
     return 0
 
 
