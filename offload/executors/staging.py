@@ -94,6 +94,7 @@ class StagingRing:
             same = [j for j in range(len(order)) if staging[j] == staging[k]]
             self._next_of[position] = order[next((j for j in same if j > k), same[0])]
         self._waited_ns = 0
+        self.misses = 0  # copies that found their position not staged (read then, not ahead)
 
     def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
         """Each parameter of disk `position`, as it lies in its staging buffer once
@@ -163,6 +164,7 @@ class StagingRing:
                 holds nothing, and the next `stage` reads again.
         """
         if not self.holds(position):
+            self.misses += 1
             self.stage(position)
         handles = self._pending.pop(position, [])
         start = time.perf_counter_ns()

@@ -37,6 +37,8 @@ class OffloadStats:
         disk_read_seconds: wall time the disk reader had reads in flight.
         disk_wait_seconds: time the copies waited for reads to finish (the reads did not
             keep ahead of the copies).
+        disk_misses: copies whose reads had not been started ahead (layers out of order,
+            a realignment): read when the copy needed them.
     """
 
     params_offloaded: int = 0
@@ -55,6 +57,7 @@ class OffloadStats:
     disk_bytes_read: int = 0
     disk_read_seconds: float = 0.0
     disk_wait_seconds: float = 0.0
+    disk_misses: int = 0
 
     @property
     def disk_gbps(self) -> float | None:
@@ -127,7 +130,8 @@ def render_stats(stats: OffloadStats, *, link_gbps: float | None = None) -> str:
             ("disk layers", f"{stats.disk_layers}"),
             ("disk read", f"{_gib(stats.disk_bytes_read)} in {_ms(stats.disk_read_seconds)}"
              + ("" if disk_gbps is None else f" ({disk_gbps:.2f} GB/s)")),
-            ("copies waited for disk", _ms(stats.disk_wait_seconds)),
+            ("copies waited for disk", _ms(stats.disk_wait_seconds)
+             + (f" ({stats.disk_misses} reads not started ahead)" if stats.disk_misses else "")),
         ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

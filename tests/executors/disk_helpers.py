@@ -20,7 +20,7 @@ from offload.hf.disk import plan_model_disk
 from offload.hf.model import plan_model
 from offload.model.describe import describe_stacks
 from offload.protocols import Runtime
-from offload.pure.disk.tier import DiskTierPlan
+from offload.pure.disk.tier import READ_BLOCK, DiskTierPlan
 from tests.hf.checkpoints import VOCAB
 
 __all__ = ["PLAN", "build_model", "plan_tier", "read_per_pass", "wrap", "weights"]
@@ -69,13 +69,14 @@ def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2,
     tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=plan.host_bytes - 1,
                            checkpoint=checkpoint, disk_gbps=None, read_ahead=read_ahead)
     assert tier is not None
-    if disk_layers is not None:
-        assert disk_layers > read_ahead
-        layer = tier.disk_bytes // len(tier.disk_positions)  # every layer is alike here
-        budget = plan.host_bytes - disk_layers * layer + read_ahead * tier.staging_bytes
-        tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=budget, checkpoint=checkpoint,
-                               disk_gbps=None, read_ahead=read_ahead)
-        assert tier is not None and len(tier.disk_positions) == disk_layers
+    budget = plan.host_bytes - 1
+    while disk_layers is not None and len(tier.disk_positions) < disk_layers:  # a smaller budget, a block at a time
+        budget -= READ_BLOCK
+        found = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=budget, checkpoint=checkpoint,
+                                disk_gbps=None, read_ahead=read_ahead)
+        assert found is not None
+        tier = found
+    assert disk_layers is None or len(tier.disk_positions) == disk_layers
     return plan, tier, layers
 
 

@@ -101,7 +101,8 @@ def test_layers_out_of_order_still_get_their_own_weights(tmp_path: Path) -> None
         step_logits(model, steps=1)
     handle.remove()
     assert _equal(step_logits(model), want)
-    assert offloader.stats().realignments >= 1
+    stats = offloader.stats()
+    assert stats.realignments >= 1 and stats.disk_misses >= 1  # the realigned copies read on the spot
     offloader.restore()
 
 
@@ -273,15 +274,15 @@ def test_a_disk_weight_written_before_post_init_is_copied_again(tmp_path: Path, 
     assert torch.equal(layer.mlp.up_proj.weight, reference.model.layers[tier.disk_layers[-1]].mlp.up_proj.weight)
 
 
-@pytest.mark.parametrize("read_ahead", [1, 2, 3])
-def test_each_pass_reads_each_disk_layer_once(tmp_path: Path, read_ahead: int) -> None:
-    """However many disk layers there are for the ring (one more than its buffers: not a
-    multiple of them but for one buffer), a pass reads each layer that shares its buffer
-    once, and a layer alone in its buffer stays there: staging ahead never reads over a
-    layer the pass still needs."""
+@pytest.mark.parametrize(("read_ahead", "disk_layers"), [(1, 2), (2, 3), (3, 5)])
+def test_each_pass_reads_each_disk_layer_once(tmp_path: Path, read_ahead: int, disk_layers: int) -> None:
+    """However many disk layers there are for the ring (not a multiple of its buffers but
+    for one buffer), a pass reads each layer that shares its buffer once, and a layer
+    alone in its buffer stays there: staging ahead never reads over a layer the pass
+    still needs."""
     model = build_model("llama")
     checkpoint = save(model, tmp_path / "ckpt", sharded=False)
-    plan, tier, layers = plan_tier(model, checkpoint, read_ahead=read_ahead, disk_layers=read_ahead + 1)
+    plan, tier, layers = plan_tier(model, checkpoint, read_ahead=read_ahead, disk_layers=disk_layers)
     offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
     step_logits(model)
     offloader.restore()  # the reads staged ahead for a next pass finish
@@ -289,7 +290,9 @@ def test_each_pass_reads_each_disk_layer_once(tmp_path: Path, read_ahead: int) -
     size = {p.layer: 0 for p in tier.params}
     for p in tier.params:
         size[p.layer] += p.nbytes
-    layer_at = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
-    ahead = sum(size[layer_at[position]] for position in tier.read_order[:tier.buffers])  # staged by post_init
-    assert read_per_pass(tier) >= 2 * min(size.values()) and stats.steps > 1
-    assert stats.disk_bytes_read == stats.steps * read_per_pass(tier) + ahead
+    # Every copy found its layer staged ahead; each pass read the layers sharing a buffer
+    # (and the last one staged those of a next pass).
+    assert stats.disk_misses == 0
+    per_pass = read_per_pass(tier)
+    assert per_pass >= 2 * min(size.values()) and stats.steps > 1
+    assert stats.steps * per_pass <= stats.disk_bytes_read <= (stats.steps + 1) * per_pass + tier.disk_bytes

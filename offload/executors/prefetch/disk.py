@@ -21,7 +21,7 @@ from offload.executors.hoststore import HostStore
 from offload.executors.staging import StagingRing
 from offload.model.checkpoint import changed_files
 from offload.protocols import Event, HostWaits, Runtime
-from offload.pure.disk.tier import DiskTierPlan
+from offload.pure.disk.tier import READ_BLOCK, DiskTierPlan
 from offload.pure.plan.plan import OffloadPlan
 from offload.runtime.diskio import DiskReader, DiskReadStats
 from offload.runtime.spill import SpillFile
@@ -101,7 +101,8 @@ class DiskStream:
         self.host = DiskHost(tier, spill_dir=spill_dir, spill=self._io.spill)
         self._reader: DiskReader | None = None
         self._ring: StagingRing | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._allocations: list[torch.Tensor] = []  # the staging buffers as allocated
+        self._buffers: list[torch.Tensor] = []  # each from its first read block on
         self._rt: Runtime | None = None
         self._disk = frozenset(tier.disk_positions)
         self._versions: dict[Ref, tuple[nn.Parameter, int, torch.Tensor, int]] = {}  # at wrap (`written`)
@@ -109,6 +110,7 @@ class DiskStream:
         self._read_bytes = 0  # of readers closed before
         self._read_seconds = 0.0
         self._waited = 0.0
+        self._misses = 0
 
     def before_wrap(self) -> None:
         """Refuse to map files that changed since planning."""
@@ -150,23 +152,33 @@ class DiskStream:
         _check_tier(plan, self.tier, "post_init")
         self.host.finish()
         tier = self.tier
-        like = torch.empty(tier.staging_bytes, dtype=torch.uint8, device="meta")
+        # Each buffer starts on a read block, so that a parameter laid out congruent with
+        # its file offset (`staging_layout`) is read straight in (one block more to shift by).
+        like = torch.empty(tier.staging_bytes + READ_BLOCK, dtype=torch.uint8, device="meta")
         self._rt = rt
-        self._buffers = [rt.host_empty(like, pin=plan.pin.method) for _ in range(tier.buffers)]
-        self.fallbacks = sum(1 for b in self._buffers if plan.pin.pin and b.numel() and not rt.is_pinned(b))
+        self._allocations = [rt.host_empty(like, pin=plan.pin.method) for _ in range(tier.buffers)]
+        self._buffers = [b[(-b.data_ptr()) % READ_BLOCK:][:tier.staging_bytes] for b in self._allocations]
+        self.fallbacks = sum(1 for b in self._allocations if plan.pin.pin and b.numel() and not rt.is_pinned(b))
         if self.fallbacks:
             log.warning("%d of %d disk staging buffers stayed in pageable memory (pinning them failed): each copy "
                         "out of one blocks until the copy stream reaches it", self.fallbacks, len(self._buffers))
         specs = {(p.layer, p.param.name): p.param for p in plan.offloaded_params if p.layer in set(tier.disk_layers)}
         self._reader = self._io.reader()
         self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs)
-        for position in tier.read_order[:tier.buffers]:
-            self._ring.stage(position)
+        # A pass's first copies in the order they are issued: the initial ones (post_init's
+        # own), then the read order; each buffer gets the first of them that it serves.
+        initial = [p for p in plan.schedule.initial if p in self._disk]
+        taken: set[int] = set()
+        for position in [*initial, *(p for p in tier.read_order if p not in initial)]:
+            buffer = tier.staging[tier.read_order.index(position)]
+            if buffer not in taken:
+                taken.add(buffer)
+                self._ring.stage(position)
 
     @property
     def staging_bytes(self) -> int:
         """Host bytes the staging buffers hold now (0 before post_init and after restore)."""
-        return sum(buffer.untyped_storage().nbytes() for buffer in self._buffers)
+        return sum(allocation.untyped_storage().nbytes() for allocation in self._allocations)
 
     def on_disk(self, position: int) -> bool:
         """Whether `position`'s copies come through the ring."""
@@ -207,6 +219,7 @@ class DiskStream:
         if self._ring is not None:
             self._ring.drain()
             self._waited += self._ring.waited_seconds
+            self._misses += self._ring.misses
             self._ring = None
         if self._reader is not None:
             self._reader.close()
@@ -215,8 +228,9 @@ class DiskStream:
             self._read_seconds += found.read_seconds
             self._reader = None
         if self._rt is not None:
-            for buffer in self._buffers:
-                self._rt.release_host(buffer)
+            for allocation in self._allocations:
+                self._rt.release_host(allocation)
+        self._allocations = []
         self._buffers = []
 
     def close(self) -> None:
@@ -224,10 +238,13 @@ class DiskStream:
         self.stop()
         self.host.close()
 
-    def reads(self) -> tuple[int, float, float]:
-        """(bytes read from disk, seconds reading, seconds the copies waited for reads), so far."""
+    def reads(self) -> tuple[int, float, float, int]:
+        """(bytes read from disk, seconds reading, seconds the copies waited for reads,
+        copies whose reads were not staged ahead), so far."""
         found: DiskReadStats | None = self._reader.stats() if self._reader is not None else None
-        waited = self._waited + (self._ring.waited_seconds if self._ring is not None else 0.0)
+        ring = self._ring
+        waited = self._waited + (ring.waited_seconds if ring is not None else 0.0)
+        misses = self._misses + (ring.misses if ring is not None else 0)
         if found is None:
-            return self._read_bytes, self._read_seconds, waited
-        return self._read_bytes + found.bytes_read, self._read_seconds + found.read_seconds, waited
+            return self._read_bytes, self._read_seconds, waited, misses
+        return self._read_bytes + found.bytes_read, self._read_seconds + found.read_seconds, waited, misses

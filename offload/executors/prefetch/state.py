@@ -136,7 +136,7 @@ class PrefetchState:
         """Counters since `wrap_modules` (see `OffloadStats`)."""
         active = self._state in (Lifecycle.WRAPPED, Lifecycle.READY)
         disk = self._disk
-        read, read_seconds, disk_wait = disk.reads() if disk is not None else (0, 0.0, 0.0)
+        read, read_seconds, disk_wait, misses = disk.reads() if disk is not None else (0, 0.0, 0.0, 0)
         return OffloadStats(
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
@@ -155,4 +155,5 @@ class PrefetchState:
             disk_bytes_read=read,
             disk_read_seconds=read_seconds,
             disk_wait_seconds=disk_wait,
+            disk_misses=misses,
         )

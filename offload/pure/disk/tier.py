@@ -15,8 +15,9 @@ fused, no checkpoint tensor of its name, or a model that came from no checkpoint
 written once to a spill file (`DiskSource.SPILL`, with the reason).
 
 **The ring.** Disk layers are read into at most `read_ahead` host staging buffers of
-`staging_bytes` each (the largest disk layer, its parameters on `STAGING_ALIGN`
-boundaries: `staging_layout`), in `read_order`: the order a pass issues
+`staging_bytes` each (the largest disk layer, each of its parameters congruent with
+its file offset modulo `READ_BLOCK`, so that ``O_DIRECT`` reads go straight in:
+`staging_layout`), in `read_order`: the order a pass issues
 their device copies (`PrefetchSchedule.issued_after`). Each disk position has its own
 buffer, the same every pass (`staging`: the ``k``-th read uses buffer ``k % read_ahead``),
 so the device copy out of it is the same copy every pass, as the slot copies are (CUDA
@@ -28,7 +29,6 @@ copies ahead of its own. `check_read_order` proves the reads go in the copies' o
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping, Sequence
 
@@ -37,6 +37,7 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, tuple_of, tuple_of_ints
 from offload.pure.decide.admission import NOT_CHECKED, HostAdmission, assess_host_memory, host_demand
+from offload.pure.disk.params import READ_BLOCK, STAGING_ALIGN, DiskParam, DiskSource, pack, residue, ring_bytes
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
@@ -44,8 +45,9 @@ from offload.pure.spec.extents import DiskExtent, FileIdentity, unmappable
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.spec.values import ParamSpec
 
-__all__ = ["ASSUMED_DISK_GBPS", "DISK_FORMAT", "STAGING_ALIGN", "DiskParam", "DiskSource", "DiskTierPlan", "check_read_order",
-           "plan_disk_tier", "staging_layout", "tier_admission"]
+__all__ = ["ASSUMED_DISK_GBPS", "DISK_FORMAT", "READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource",
+           "DiskTierPlan", "check_read_order",
+           "plan_disk_tier", "residue", "staging_layout", "tier_admission"]
 
 #: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
 DISK_FORMAT = "offload-disk-tier/1"
@@ -53,62 +55,6 @@ DISK_FORMAT = "offload-disk-tier/1"
 #: The disk read rate assumed where none is given, GB/s: the plain ``O_DIRECT``
 #: sequential read of this project's CI machine (docs/disk.md).
 ASSUMED_DISK_GBPS = 1.5
-
-#: Where each parameter starts in its staging buffer: a multiple of this many bytes (any
-#: dtype's element, and what device copies like to start on).
-STAGING_ALIGN = 256
-
-
-def _packed(sizes: Sequence[int]) -> tuple[tuple[int, ...], int]:
-    """Offsets of `sizes` bytes packed one after the other on `STAGING_ALIGN` boundaries,
-    and the bytes they span."""
-    offsets: list[int] = []
-    end = 0
-    for size in sizes:
-        start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
-        offsets.append(start)
-        end = start + size
-    return tuple(offsets), end
-
-
-class DiskSource(enum.Enum):
-    """Where a disk parameter's bytes are read from."""
-
-    CHECKPOINT = "checkpoint"  # the checkpoint's own bytes, as they lie
-    SPILL = "spill"  # a file the offloader writes once
-
-
-@attrs.frozen(kw_only=True)
-class DiskParam:
-    """One parameter of a disk layer.
-
-    Attributes:
-        layer: its layer's index.
-        name: its name in the layer.
-        nbytes: bytes read per pass.
-        source: where from.
-        extent: CHECKPOINT: its bytes in the checkpoint; SPILL: None (the spill file's
-            layout is the offloader's).
-        reason: SPILL: why it is not read from the checkpoint; CHECKPOINT: empty.
-    """
-
-    layer: int = attrs.field(validator=int_at_least(0, PlanError))
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    nbytes: int = attrs.field(validator=int_at_least(0, PlanError))
-    source: DiskSource = attrs.field(validator=attrs.validators.instance_of(DiskSource))
-    extent: DiskExtent | None = None
-    reason: str = ""
-
-    def __attrs_post_init__(self) -> None:
-        mapped = self.source is DiskSource.CHECKPOINT
-        if mapped != (self.extent is not None) or mapped == bool(self.reason):
-            raise PlanError(f"layer {self.layer} parameter {self.name!r}: a {self.source.value} parameter has "
-                            f"{'an extent and no reason' if mapped else 'a reason and no extent'}, got extent "
-                            f"{self.extent!r} and reason {self.reason!r}", name=self.name, value=self.layer)
-        if self.extent is not None and self.extent.length != self.nbytes:
-            raise PlanError(f"layer {self.layer} parameter {self.name!r}: {self.nbytes} bytes, but its extent holds "
-                            f"{self.extent.length}", name=self.name, value=self.extent.length)
-
 
 def check_read_order(read_order: Sequence[int], issued: Sequence[int | None], disk: Sequence[int]) -> None:
     """Prove what the ring rests on: every disk position is read exactly once per pass, in
@@ -218,8 +164,9 @@ class DiskTierPlan:
 
     @property
     def staging_ring_bytes(self) -> int:
-        """Host bytes of the staging ring (0 without disk layers)."""
-        return self.buffers * self.staging_bytes
+        """Host bytes of the staging ring (0 without disk layers): each buffer one
+        `READ_BLOCK` larger than `staging_bytes`, to start on a block wherever it lies."""
+        return ring_bytes(self.buffers, self.staging_bytes)
 
     @property
     def host_bytes(self) -> int:
@@ -263,11 +210,12 @@ class DiskTierPlan:
 
 def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:
     """Where each disk layer's parameters lie in its staging buffer: by layer, the offset
-    of each of its `DiskTierPlan.params` (in their order) and the bytes they span."""
-    sizes: dict[int, list[int]] = {}
+    of each of its `DiskTierPlan.params` (in their order) and the bytes they span. Each
+    starts congruent with its file offset modulo `READ_BLOCK` (`residue`)."""
+    items: dict[int, list[tuple[int, int]]] = {}
     for p in tier.params:
-        sizes.setdefault(p.layer, []).append(p.nbytes)
-    return {layer: _packed(found) for layer, found in sizes.items()}
+        items.setdefault(p.layer, []).append((p.nbytes, residue(p)))
+    return {layer: pack(found) for layer, found in items.items()}
 
 
 def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
@@ -331,11 +279,15 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         raise PlanError(f"{len(layer_names)} layer names for {plan.num_layers} layers", name="layer_names",
                         value=len(layer_names))
     layer_bytes = _layer_bytes(plan)
-    owned: dict[int, list[int]] = {}
-    for p in plan.offloaded_params:
-        if p.tied_to is None:
-            owned.setdefault(p.layer, []).append(p.param.nbytes)
-    staged = {layer: _packed(sizes)[1] for layer, sizes in owned.items()}  # a layer in a staging buffer
+    # Where each offloaded parameter would be read from, were its layer on disk, and so
+    # how its layer packs in a staging buffer.
+    would = [_disk_param(p.layer, f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None, p.param,
+                         tensors or {}, extents or {})
+             for p in plan.offloaded_params if p.tied_to is None]
+    owned: dict[int, list[tuple[int, int]]] = {}
+    for d in would:
+        owned.setdefault(d.layer, []).append((d.nbytes, residue(d)))
+    staged = {layer: pack(items)[1] for layer, items in owned.items()}  # a layer in a staging buffer
     positions = plan.offloaded_layers
     kept = plan.schedule.kept_positions
     # A layer sharing a host copy with another layer stays in host memory with it.
@@ -347,7 +299,7 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     for count in range(len(candidates) + 1):
         chosen = sorted(candidates[len(candidates) - count:])
         on_disk = [layer_bytes.get(positions[i], 0) for i in chosen]
-        ring = min(read_ahead, count) * max((staged.get(positions[i], 0) for i in chosen), default=0)
+        ring = ring_bytes(min(read_ahead, count), max((staged.get(positions[i], 0) for i in chosen), default=0))
         if total - sum(on_disk) + ring <= host_budget_bytes:
             break
     else:
@@ -360,10 +312,7 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     disk = tuple(chosen)
     disk_layers = tuple(positions[i] for i in disk)
     on = set(disk_layers)
-    params = tuple(
-        _disk_param(p.layer, f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None, p.param,
-                    tensors or {}, extents or {})
-        for p in plan.offloaded_params if p.layer in on and p.tied_to is None)
+    params = tuple(d for d in would if d.layer in on)
     read_order = tuple(t for t in plan.schedule.issued_after if t is not None and t in set(disk))
     check_read_order(read_order, plan.schedule.issued_after, disk)
     used = {p.extent.path for p in params if p.extent is not None}

@@ -19,7 +19,7 @@ from offload import EnvSnapshot, OffloadConfig, PlanError, make_plan
 from offload.model.checkpoint import checkpoint_extents, read_checkpoint
 from offload.pure.disk.render import render_disk_tier
 from offload.pure.disk.tier import (
-    STAGING_ALIGN,
+    READ_BLOCK,
     DiskParam,
     DiskSource,
     DiskTierPlan,
@@ -37,18 +37,20 @@ from tests.pure.strategies import model_specs
 
 
 def _staged(plan: OffloadPlan, layer: int) -> int:
-    """A layer's owned parameters packed one after another, each on a 256-byte boundary."""
+    """A spilled layer's owned parameters packed one after another, each on a 4 KiB
+    boundary (as the spill file writes them: congruent)."""
     end = 0
     for p in plan.offloaded_params:
         if p.layer == layer and p.tied_to is None:
-            end = -(-end // 256) * 256 + p.param.nbytes
+            end = -(-end // 4096) * 4096 + p.param.nbytes
     return end
 
 
 def _host_with(plan: OffloadPlan, disk_layers: set[int], read_ahead: int) -> int:
     """Host bytes with `disk_layers` on disk: the plan's host copies less theirs, plus the ring."""
     on_disk = sum(p.param.nbytes for p in plan.offloaded_params if p.tied_to is None and p.layer in disk_layers)
-    ring = min(read_ahead, len(disk_layers)) * max((_staged(plan, layer) for layer in disk_layers), default=0)
+    largest = max((_staged(plan, layer) for layer in disk_layers), default=0)
+    ring = min(read_ahead, len(disk_layers)) * (largest + 4096) if largest else 0  # each buffer a block larger
     return plan.host_bytes - on_disk + ring
 
 
@@ -83,12 +85,13 @@ def test_the_fewest_last_layers_go_to_disk_and_every_byte_is_in_one_tier(spec: M
         (p.layer, p.param.name) for p in plan.offloaded_params if p.tied_to is None and p.layer in tier.disk_layers)
     assert all(p.source is DiskSource.SPILL and p.reason == "no checkpoint" for p in tier.params)
     check_read_order(tier.read_order, plan.schedule.issued_after, tier.disk_positions)
-    # Each disk layer's parameters lie apart in its staging buffer, on 256-byte boundaries.
+    # Each disk layer's parameters lie apart in its staging buffer, each spilled one on a
+    # 4 KiB boundary (congruent with the spill file).
     layout = staging_layout(tier)
     assert sorted(layout) == sorted(tier.disk_layers if tier.params else ())
     for layer, (offsets, end) in layout.items():
         layer_sizes = [p.nbytes for p in tier.params if p.layer == layer]
-        assert all(offset % STAGING_ALIGN == 0 for offset in offsets)
+        assert all(offset % READ_BLOCK == 0 for offset in offsets)
         assert all(a + size <= b for a, size, b in zip(offsets, layer_sizes, offsets[1:], strict=False))
         assert end == offsets[-1] + layer_sizes[-1] <= tier.staging_bytes
     # Each read waits for the copy out of its buffer's previous occupant: an earlier read of

@@ -1,0 +1,101 @@
+"""The values of the disk tier's parameters and how they lie in a staging buffer: where a
+disk parameter is read from (`DiskSource`, `DiskParam`), and the congruent packing of a
+layer's parameters in its buffer (`residue`, `pack`), for `offload.pure.disk.tier`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+
+from offload.errors import PlanError
+from offload.pure._checks import int_at_least
+from offload.pure.spec.extents import DiskExtent
+
+__all__ = ["READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource", "pack", "residue", "ring_bytes"]
+
+
+#: Where a parameter whose file offset is not element-aligned starts in its staging
+#: buffer: a multiple of this many bytes (any dtype's element, and what device copies like
+#: to start on).
+STAGING_ALIGN = 256
+
+#: The block of an ``O_DIRECT`` read (`offload.runtime.diskio.BLOCK_BYTES`). A parameter
+#: starts in its staging buffer (which starts on such a block) at the offset of its bytes
+#: in their file modulo this: congruent, so that its whole blocks are read straight in.
+READ_BLOCK = 4096
+
+#: A file offset whose residue is not a multiple of this is not followed (the typed view
+#: of the parameter in the buffer needs its element's alignment): it starts on `STAGING_ALIGN`.
+_ELEMENT_ALIGN = 8
+
+
+def ring_bytes(buffers: int, staging_bytes: int) -> int:
+    """Host bytes of `buffers` staging buffers of `staging_bytes` (each allocated one read
+    block larger, to start on a block)."""
+    return buffers * (staging_bytes + READ_BLOCK) if buffers and staging_bytes else 0
+
+
+def residue(p: DiskParam) -> int:
+    """Where in a `READ_BLOCK` `p` starts in its staging buffer: its checkpoint offset's
+    residue (when element-aligned), else 0 (the spill file writes on block boundaries)."""
+    if p.extent is None:
+        return 0
+    found = p.extent.offset % READ_BLOCK
+    return found if found % _ELEMENT_ALIGN == 0 else -1
+
+
+def pack(items: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
+    """Offsets of (size, residue) items packed one after the other, each at the first
+    offset congruent to its residue modulo `READ_BLOCK` (-1: on `STAGING_ALIGN`), and the
+    bytes they span."""
+    offsets: list[int] = []
+    end = 0
+    for size, wanted in items:
+        if wanted < 0:
+            start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
+        else:
+            start = end + (wanted - end) % READ_BLOCK
+        offsets.append(start)
+        end = start + size
+    return tuple(offsets), end
+
+
+class DiskSource(enum.Enum):
+    """Where a disk parameter's bytes are read from."""
+
+    CHECKPOINT = "checkpoint"  # the checkpoint's own bytes, as they lie
+    SPILL = "spill"  # a file the offloader writes once
+
+
+@attrs.frozen(kw_only=True)
+class DiskParam:
+    """One parameter of a disk layer.
+
+    Attributes:
+        layer: its layer's index.
+        name: its name in the layer.
+        nbytes: bytes read per pass.
+        source: where from.
+        extent: CHECKPOINT: its bytes in the checkpoint; SPILL: None (the spill file's
+            layout is the offloader's).
+        reason: SPILL: why it is not read from the checkpoint; CHECKPOINT: empty.
+    """
+
+    layer: int = attrs.field(validator=int_at_least(0, PlanError))
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    nbytes: int = attrs.field(validator=int_at_least(0, PlanError))
+    source: DiskSource = attrs.field(validator=attrs.validators.instance_of(DiskSource))
+    extent: DiskExtent | None = None
+    reason: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        mapped = self.source is DiskSource.CHECKPOINT
+        if mapped != (self.extent is not None) or mapped == bool(self.reason):
+            raise PlanError(f"layer {self.layer} parameter {self.name!r}: a {self.source.value} parameter has "
+                            f"{'an extent and no reason' if mapped else 'a reason and no extent'}, got extent "
+                            f"{self.extent!r} and reason {self.reason!r}", name=self.name, value=self.layer)
+        if self.extent is not None and self.extent.length != self.nbytes:
+            raise PlanError(f"layer {self.layer} parameter {self.name!r}: {self.nbytes} bytes, but its extent holds "
+                            f"{self.extent.length}", name=self.name, value=self.extent.length)
