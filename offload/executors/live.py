@@ -16,7 +16,7 @@ from torch import nn
 
 from offload.executors.common import find_parameter
 from offload.protocols import Runtime
-from offload.pure.check import LiveCheck, Location, ParamLocation, expected_place, kept_on_host
+from offload.pure.check import FileCheck, LiveCheck, Location, ParamLocation, expected_place, kept_on_host
 from offload.pure.plan.plan import OffloadPlan
 
 __all__ = ["inspect_params"]
@@ -28,7 +28,8 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def inspect_params(plan: OffloadPlan, layers: Sequence[nn.Module], runtime: Runtime, *, ready: bool,
                    slots: Collection[torch.Tensor] = (), views: Collection[torch.Tensor] = (),
-                   hosts: Collection[torch.Tensor] = ()) -> LiveCheck:
+                   hosts: Collection[torch.Tensor] = (), on_disk: Collection[tuple[int, str]] = (),
+                   in_files: Collection[torch.Tensor] = (), files: tuple[FileCheck, ...] = ()) -> LiveCheck:
     """Classify every planned parameter of `layers`.
 
     Args:
@@ -39,15 +40,22 @@ def inspect_params(plan: OffloadPlan, layers: Sequence[nn.Module], runtime: Runt
         slots: the static buffers (prefetch).
         views: the zero-copy device views made (UVA).
         hosts: the host copies held.
+        on_disk: the disk tier's parameters (expected in their files before post_init).
+        in_files: the host copies that are private mappings of files (the disk tier's).
+        files: the disk tier's files, each against the plan.
     """
     slot_ptrs = {_storage(t) for t in slots if t.numel()}
     view_ptrs = {_storage(t) for t in views if t.numel()}
     host_ptrs = {_storage(t) for t in hosts if t.numel()}
+    file_ptrs = {_storage(t) for t in in_files if t.numel()}
+    disk = set(on_disk)
     device = runtime.device
     held: dict[int, int] = {}
     places: list[ParamLocation] = []
     for p in plan.params:
         expected = expected_place(plan, p.placement, ready=ready)
+        if not ready and (p.layer, p.name) in disk:
+            expected = Location.DISK
         param = find_parameter(layers[p.layer], p.name) if p.layer < len(layers) else None
         if param is None:
             places.append(ParamLocation(p.layer, p.name, p.placement, expected, Location.MISSING, ""))
@@ -60,6 +68,8 @@ def inspect_params(plan: OffloadPlan, layers: Sequence[nn.Module], runtime: Runt
             actual = Location.SLOT
         elif ptr and ptr in view_ptrs:
             actual = Location.DEVICE_VIEW
+        elif ptr and ptr in file_ptrs:
+            actual = Location.DISK
         elif ptr and ptr in host_ptrs or data.device != device:
             actual = Location.HOST_PINNED if runtime.is_pinned(data) else Location.HOST_PAGEABLE
         else:
@@ -72,4 +82,5 @@ def inspect_params(plan: OffloadPlan, layers: Sequence[nn.Module], runtime: Runt
     for t in slots:
         if t.numel():
             held.setdefault(_storage(t), t.untyped_storage().nbytes())
-    return LiveCheck(tuple(places), sum(held.values()), plan.device_bytes_resident + plan.device_bytes_buffers)
+    return LiveCheck(tuple(places), sum(held.values()), plan.device_bytes_resident + plan.device_bytes_buffers,
+                     disk_params=tuple(sorted(disk)), files=files)

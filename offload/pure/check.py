@@ -14,7 +14,7 @@ import attrs
 
 from offload.pure.plan.plan import OffloadPlan, ParamPlan, Placement
 
-__all__ = ["LiveCheck", "Location", "ParamLocation", "expected_place", "kept_on_host", "render_check"]
+__all__ = ["FileCheck", "LiveCheck", "Location", "ParamLocation", "expected_place", "kept_on_host", "render_check"]
 
 
 class Location(enum.Enum):
@@ -25,6 +25,7 @@ class Location(enum.Enum):
     DEVICE_VIEW = "device view"  # a zero-copy device view of a pinned host copy
     HOST_PINNED = "host, pinned"
     HOST_PAGEABLE = "host, pageable"
+    DISK = "disk"  # a disk-tier weight's copy: a private mapping of its file (before post_init)
     META = "meta"
     MISSING = "missing"  # no such parameter any more
 
@@ -56,6 +57,21 @@ class ParamLocation:
 
 
 @attrs.frozen
+class FileCheck:
+    """A file a disk tier reads, as it is now against the plan.
+
+    Attributes:
+        path: the file.
+        changes: the fields of its identity that differ from the plan's (size,
+            mtime_ns, inode, device), ``("missing",)`` when it cannot be read; empty when
+            it is as planned.
+    """
+
+    path: str
+    changes: tuple[str, ...]
+
+
+@attrs.frozen
 class LiveCheck:
     """The result of `check()`.
 
@@ -66,11 +82,15 @@ class LiveCheck:
             slot buffers no parameter points at now.
         plan_device_bytes: what the plan expects that figure to be (resident weights and
             static buffers).
+        disk_params: the parameters of the disk tier (none without one).
+        files: the checkpoint files the disk tier reads, each against the plan.
     """
 
     params: tuple[ParamLocation, ...]
     device_bytes_held: int
     plan_device_bytes: int
+    disk_params: tuple[tuple[int, str], ...] = ()
+    files: tuple[FileCheck, ...] = ()
 
     @property
     def differences(self) -> tuple[ParamLocation, ...]:
@@ -78,9 +98,15 @@ class LiveCheck:
         return tuple(p for p in self.params if not p.ok)
 
     @property
+    def changed_files(self) -> tuple[FileCheck, ...]:
+        """The disk tier's files that are not as planned."""
+        return tuple(f for f in self.files if f.changes)
+
+    @property
     def ok(self) -> bool:
-        """True when every planned parameter is where the plan says."""
-        return not self.differences
+        """True when every planned parameter is where the plan says and every file the
+        disk tier reads is as planned."""
+        return not self.differences and not self.changed_files
 
 
 def expected_place(plan: OffloadPlan, placement: Placement, *, ready: bool) -> Location:
@@ -108,12 +134,17 @@ def render_check(check: LiveCheck) -> str:
     counts: dict[Location, int] = {}
     for p in check.params:
         counts[p.actual] = counts.get(p.actual, 0) + 1
+    verdict = ("every planned parameter is where the plan says" if not check.differences
+               else f"{len(check.differences)} of {len(check.params)} parameters differ from the plan")
     lines = [
-        "live check: " + ("every planned parameter is where the plan says" if check.ok
-                          else f"{len(check.differences)} of {len(check.params)} parameters differ from the plan"),
+        "live check: " + verdict,
         "  places: " + (", ".join(f"{n} {place.value}" for place, n in counts.items()) or "no parameters"),
         f"  device bytes held: {check.device_bytes_held} (plan: {check.plan_device_bytes})",
     ]
     lines += [f"  layer {p.layer} {p.name}: planned {p.placement.value} ({p.expected.value}), is {p.actual.value}"
               + (f" on {p.device}" if p.device else "") for p in check.differences]
+    if check.disk_params or check.files:
+        lines.append(f"  disk tier: {len(check.disk_params)} parameters, read from {len(check.files)} checkpoint "
+                     f"files ({len(check.changed_files)} changed since planning)")
+        lines += [f"  file {f.path}: {', '.join(f.changes)} changed" for f in check.changed_files]
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from offload import ConfigError, ExecutionError, OffloadConfig, PlanError
 from offload.executors.prefetch import PrefetchOffloader
 from offload.executors.prefetch.disk import DiskIO
 from offload.hf import offload_model
+from offload.pure.check import Location, render_check
 from offload.runtime.cpu import CpuRuntime
 from offload.runtime.diskio import DiskReader, FileOps
 from offload.runtime.spill import SpillFile
@@ -296,3 +297,24 @@ def test_each_pass_reads_each_disk_layer_once(tmp_path: Path, read_ahead: int, d
     per_pass = read_per_pass(tier)
     assert per_pass >= 2 * min(size.values()) and stats.steps > 1
     assert stats.steps * per_pass <= stats.disk_bytes_read <= (stats.steps + 1) * per_pass + tier.disk_bytes
+
+
+def test_the_live_check_shows_disk_placements_and_whether_each_file_is_as_planned(tmp_path: Path) -> None:
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=True)
+    plan, tier, layers = plan_tier(model, checkpoint)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path, start=False)
+    disk = {(p.layer, p.name) for p in tier.params}
+    before = offloader.check()
+    assert before.ok, render_check(before)
+    assert {(p.layer, p.name) for p in before.params if p.actual is Location.DISK} == disk
+    assert set(before.disk_params) == disk and {f.path for f in before.files} == {f.path for f in tier.files}
+    offloader.post_init()
+    after = offloader.check()
+    assert after.ok and all(p.actual is Location.SLOT for p in after.params if (p.layer, p.name) in disk)
+    changed = tier.files[0].path
+    os.utime(changed, ns=(0, 0))
+    stale = offloader.check()
+    assert not stale.ok and [(f.path, f.changes) for f in stale.changed_files] == [(changed, ("mtime_ns",))]
+    assert f"file {changed}: mtime_ns changed" in render_check(stale)
+    offloader.restore()

@@ -21,6 +21,7 @@ from offload.executors.hoststore import HostStore
 from offload.executors.staging import StagingRing
 from offload.model.checkpoint import changed_files
 from offload.protocols import Event, HostWaits, Runtime
+from offload.pure.check import FileCheck
 from offload.pure.disk.tier import READ_BLOCK, DiskTierPlan
 from offload.pure.plan.plan import OffloadPlan
 from offload.runtime.diskio import DiskReader, DiskReadStats
@@ -179,6 +180,11 @@ class DiskStream:
     def staging_bytes(self) -> int:
         """Host bytes the staging buffers hold now (0 before post_init and after restore)."""
         return sum(allocation.untyped_storage().nbytes() for allocation in self._allocations)
+
+    def files_now(self) -> tuple[FileCheck, ...]:
+        """Each checkpoint file the tier reads, against the plan (for `check()`)."""
+        changed = dict(changed_files(self.tier.files))
+        return tuple(FileCheck(f.path, changed.get(f.path, ())) for f in self.tier.files)
 
     def on_disk(self, position: int) -> bool:
         """Whether `position`'s copies come through the ring."""

@@ -366,15 +366,22 @@ class PrefetchOffloader(NewWeights):
 
     def check(self) -> LiveCheck:
         """Where every planned parameter is now: slots after post_init, host copies before
-        (see `offload.executors.live`).
+        (see `offload.executors.live`); with a disk tier, its parameters in their files
+        before post_init, and whether each file it reads is as planned.
 
         Raises:
             ExecutionError: the model is not wrapped.
         """
         require(self._state, "check")
         slots = [t for buffers in self._buffers.values() for t in buffers.values()]
+        disk = self._disk
+        hosts = self._host.tensors()
+        if disk is None:
+            return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
+                                  slots=slots, hosts=hosts)
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                              slots=slots, hosts=self._host.tensors())
+                              slots=slots, hosts=hosts, on_disk=[(p.layer, p.name) for p in disk.tier.params],
+                              in_files=[t for t in hosts if not disk.host.writable(t)], files=disk.files_now())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward
