@@ -18,7 +18,7 @@ def test_quick_run_prints_the_prediction_the_step_and_their_ratio(tmp_path: Path
     out = capsys.readouterr().out
     rate = re.search(r"^plain reader: ([\d.]+) GB/s", out, re.M)
     tier = re.search(r"^tier: (\d+) of (\d+) layers on disk", out, re.M)
-    predicted = re.search(r"^predicted step \(the disk tier read at [\d.]+ GB/s\): ([\d.]+) ms$", out, re.M)
+    predicted = re.search(r"^predicted step \(estimate_with_tier: .*\): ([\d.]+) ms; ", out, re.M)
     measured = re.search(r"^measured step: ([\d.]+) ms \(median of 2: [\d. ]+\)$", out, re.M)
     ratio = re.search(r"^ratio step/predicted: ([\d.]+) \(target 0\.85 to 1\.15\)$", out, re.M)
     assert rate and tier and predicted and measured and ratio, out

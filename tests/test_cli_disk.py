@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,16 @@ def test_disk_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str], argv
                                         message: str) -> None:
     code, _, err = _run(capsys, "plan", "llama-8b", *argv)
     assert code != 0 and message in err
+
+
+def test_the_estimate_with_a_profile_counts_the_disk_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "plan", "llama-8b", "--group-size", "1", "--host-gib", "4", "--profile",
+                          "h200-pcie5", "--disk-gbps", "2")
+    assert code == 0, err
+    assert "tokens per step, with the disk tier read at 2 GB/s:" in out
+    found = re.search(r"^disk += ([\d.]+) (ms|s) of reads per step", out, re.M)
+    predicted = re.search(r"^predicted step += .* = ([\d.]+) (ms|s), ", out, re.M)
+    assert found is not None and predicted is not None, out
+    seconds = {"ms": 1e-3, "s": 1.0}
+    # No step beats reading the disk tier.
+    assert float(predicted.group(1)) * seconds[predicted.group(2)] >= float(found.group(1)) * seconds[found.group(2)]

@@ -211,7 +211,8 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     return 0
 
 
-def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec) -> DiskTierPlan | None:
+def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
+               env: EnvSnapshot | None = None) -> DiskTierPlan | None:
     """The disk tier ``--host-gib`` asks for (None without it): a checkpoint's parameters
     read from its files where they lie as the model holds them; a preset's all spilled."""
     if args.host_gib is None:
@@ -235,7 +236,7 @@ def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec) -> 
         read_ahead=args.read_ahead if args.read_ahead is not None else 2,
         layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
         tensors=found.tensors if found is not None else None, extents=found.extents if found is not None else None,
-        files=found.files if found is not None else ())
+        files=found.files if found is not None else (), env=env)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -254,7 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if profile is not None:
         env = planning_env(env, profile)
     plan = make_plan(spec, config, env)
-    tier = _disk_tier(args, plan, spec)
+    tier = _disk_tier(args, plan, spec, env)
     if args.json:
         if tier is None:
             print(plan.to_json(indent=2))
@@ -279,6 +280,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
     if profile is not None:
         print()
-        print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")
-        print(render_estimate(estimate(plan, profile, Workload(tokens_per_step=args.tokens))))
+        workload = Workload(tokens_per_step=args.tokens)
+        if tier is None:
+            print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")
+            print(render_estimate(estimate(plan, profile, workload)))
+        else:
+            from offload.pure.disk.estimate import estimate_with_tier
+
+            print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step, with the disk tier read at "
+                  f"{tier.disk_gbps:g} GB/s:")
+            print(render_estimate(estimate_with_tier(plan, tier, profile, workload)))
     return 0

@@ -21,7 +21,7 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.executors.common import Ref, torch_dtype
-from offload.pure.disk.tier import DiskTierPlan, staging_layout
+from offload.pure.disk.tier import DiskTierPlan, next_occupants, staging_layout
 from offload.pure.spec.values import ParamSpec
 from offload.runtime.diskio import DiskReader, ReadHandle, Source
 
@@ -85,14 +85,8 @@ class StagingRing:
         self._pending: dict[int, list[ReadHandle]] = {}
         # Per buffer, what a refill waits for: the last device copy out of it (`copied`).
         self._after: list[Callable[[], object] | None] = [None] * len(self._buffers)
-        # Each disk position's next occupant of its buffer: the next read of the buffer in
-        # read order, else its first read of the next pass (itself: the buffer is its alone
-        # and stays filled).
-        order, staging = tier.read_order, tier.staging
-        self._next_of: dict[int, int] = {}
-        for k, position in enumerate(order):
-            same = [j for j in range(len(order)) if staging[j] == staging[k]]
-            self._next_of[position] = order[next((j for j in same if j > k), same[0])]
+        # Each disk position's buffer's next occupant (itself: the buffer is its alone).
+        self._next_of = next_occupants(tier)
         self._waited_ns = 0
         self.misses = 0  # copies that found their position not staged (read then, not ahead)
 

@@ -22,7 +22,7 @@ from offload.executors.staging import StagingRing
 from offload.model.checkpoint import changed_files
 from offload.protocols import Event, HostWaits, Runtime
 from offload.pure.check import FileCheck
-from offload.pure.disk.tier import READ_BLOCK, DiskTierPlan
+from offload.pure.disk.tier import READ_BLOCK, DiskTierPlan, first_reads
 from offload.pure.plan.plan import OffloadPlan
 from offload.runtime.diskio import DiskReader, DiskReadStats
 from offload.runtime.spill import SpillFile
@@ -166,15 +166,8 @@ class DiskStream:
         specs = {(p.layer, p.param.name): p.param for p in plan.offloaded_params if p.layer in set(tier.disk_layers)}
         self._reader = self._io.reader()
         self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs)
-        # A pass's first copies in the order they are issued: the initial ones (post_init's
-        # own), then the read order; each buffer gets the first of them that it serves.
-        initial = [p for p in plan.schedule.initial if p in self._disk]
-        taken: set[int] = set()
-        for position in [*initial, *(p for p in tier.read_order if p not in initial)]:
-            buffer = tier.staging[tier.read_order.index(position)]
-            if buffer not in taken:
-                taken.add(buffer)
-                self._ring.stage(position)
+        for position in first_reads(tier, plan.schedule.initial):  # a pass's first copies, one per buffer
+            self._ring.stage(position)
 
     @property
     def staging_bytes(self) -> int:

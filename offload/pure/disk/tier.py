@@ -47,7 +47,7 @@ from offload.pure.spec.values import ParamSpec
 
 __all__ = ["ASSUMED_DISK_GBPS", "DISK_FORMAT", "READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource",
            "DiskTierPlan", "check_read_order",
-           "plan_disk_tier", "residue", "staging_layout", "tier_admission"]
+           "first_reads", "next_occupants", "plan_disk_tier", "residue", "staging_layout", "tier_admission"]
 
 #: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
 DISK_FORMAT = "offload-disk-tier/1"
@@ -206,6 +206,34 @@ class DiskTierPlan:
             raise PlanError(f"not an {DISK_FORMAT} document (format is {short_repr(found)})", name="format",
                             value=found)
         return from_data(cls, document.get("disk"))
+
+
+def next_occupants(tier: DiskTierPlan) -> dict[int, int]:
+    """Each disk position's buffer's next occupant: the next read of its buffer in read
+    order, else the buffer's first read of the next pass (itself: the buffer is its alone,
+    read once and kept). The read staged once the copy out of the position is done."""
+    order, staging = tier.read_order, tier.staging
+    found: dict[int, int] = {}
+    for k, position in enumerate(order):
+        same = [j for j in range(len(order)) if staging[j] == staging[k]]
+        found[position] = order[next((j for j in same if j > k), same[0])]
+    return found
+
+
+def first_reads(tier: DiskTierPlan, initial: Sequence[int]) -> tuple[int, ...]:
+    """The reads started before the first pass (post_init): a pass's first copies in the
+    order they are issued (the schedule's `initial` ones, then the read order), one per
+    buffer, the first that each buffer serves."""
+    disk = set(tier.disk_positions)
+    starts = [i for i in initial if i in disk]
+    taken: set[int] = set()
+    found: list[int] = []
+    for position in [*starts, *(i for i in tier.read_order if i not in starts)]:
+        buffer = tier.staging[tier.read_order.index(position)]
+        if buffer not in taken:
+            taken.add(buffer)
+            found.append(position)
+    return tuple(found)
 
 
 def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:

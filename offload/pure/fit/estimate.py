@@ -44,6 +44,7 @@ from offload.pure.plan.schedule import PrefetchSchedule
 from offload.pure.serialize import to_data
 
 __all__ = [
+    "DiskReads",
     "MAX_TOKENS_PER_STEP",
     "LayerEstimate",
     "StepEstimate",
@@ -113,6 +114,8 @@ class LayerEstimate:
         loaded_once_bytes: bytes prefetched for it once, before the first step, and kept
             in its slot (it is the only owner of that slot: `PrefetchSchedule.kept_positions`);
             not moved per step. 0 for every other layer.
+        disk_read_seconds: a disk-tier layer's read from disk per step (overlaps earlier
+            layers; its wait, where the read is late, is in `stall_seconds`); 0 for the others.
     """
 
     layer: int
@@ -125,6 +128,7 @@ class LayerEstimate:
     uva_bytes: int = 0
     on_demand_bytes: int = 0
     loaded_once_bytes: int = 0
+    disk_read_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -189,6 +193,12 @@ class StepEstimate:
         return sum(layer.on_demand_seconds for layer in self.layers)
 
     @property
+    def disk_read_seconds(self) -> float:
+        """Time the disk spends reading disk-tier layers per step, seconds (0 without a
+        disk tier): no step is faster."""
+        return sum(layer.disk_read_seconds for layer in self.layers)
+
+    @property
     def loaded_once_bytes(self) -> int:
         """Bytes of the layers loaded once and kept in their own slots (not per step)."""
         return sum(layer.loaded_once_bytes for layer in self.layers)
@@ -217,6 +227,22 @@ class StepEstimate:
     def to_json(self, *, indent: int | None = None) -> str:
         """The estimate as JSON (every field; derived totals are not included)."""
         return json.dumps(to_data(self), indent=indent)
+
+
+@attrs.frozen(kw_only=True)
+class DiskReads:
+    """A disk tier as the step simulation sees it (`offload.pure.disk.estimate`).
+
+    Attributes:
+        seconds: per offloaded position, the seconds its read takes (0: not on disk).
+        next_of: per disk position, the next occupant of its staging buffer, read once
+            the copy out of it has landed (itself: alone in its buffer, read once).
+        first: the disk positions read before the first pass, in order.
+    """
+
+    seconds: tuple[float, ...]
+    next_of: tuple[tuple[int, int], ...]
+    first: tuple[int, ...]
 
 
 def layer_compute_seconds(
@@ -250,7 +276,8 @@ def layer_compute_seconds(
 
 
 def simulate_prefetch(
-    busy: Sequence[float], copy: Sequence[float], positions: Sequence[int], schedule: PrefetchSchedule
+    busy: Sequence[float], copy: Sequence[float], positions: Sequence[int], schedule: PrefetchSchedule,
+    disk: DiskReads | None = None,
 ) -> tuple[tuple[float, ...], int, int]:
     """Event-time simulation of repeated passes; the steady state's stall per layer.
 
@@ -261,6 +288,10 @@ def simulate_prefetch(
         schedule: initial copies and `next_after`, as `schedule_prefetch` builds them;
             the copies simulated are those issued (`PrefetchSchedule.issued_after`: none
             of a kept position after the initial copies).
+        disk: the disk tier, if any: one disk reads the disk positions, each after the
+            copy out of its staging buffer's previous occupant has landed; the host
+            thread waits for a read before it issues the read position's copy (that
+            wait is the layer's stall, as the executor's `StagingRing.ready` is).
 
     Returns:
         (stall seconds per layer averaged over the steady-state period, passes simulated,
@@ -283,11 +314,31 @@ def simulate_prefetch(
     own = [busy[layer] for layer in positions]
     ready = [0.0] * len(positions)  # when the copy for a position's next run lands
     issued_after = schedule.issued_after
+    read = disk.seconds if disk is not None else (0.0,) * len(positions)
+    next_of = dict(disk.next_of) if disk is not None else {}
+    read_done = [0.0] * len(positions)  # when a disk position's read into its buffer ends
+    disk_free = 0.0
+    for first in disk.first if disk is not None else ():
+        disk_free += read[first]
+        read_done[first] = disk_free
     link_free = 0.0
-    for first in schedule.initial:
-        link_free += copy[first]
-        ready[first] = link_free
     now = 0.0
+
+    def issue(target: int, at: float) -> float:
+        """Issue `target`'s copy at `at`; when the host thread goes on (after its read)."""
+        nonlocal link_free, disk_free
+        if read[target]:
+            at = max(at, read_done[target])
+        link_free = max(link_free, at) + copy[target]
+        ready[target] = link_free
+        following = next_of.get(target, target)
+        if read[target] and following != target:
+            disk_free = max(disk_free, link_free) + read[following]
+            read_done[following] = disk_free
+        return at
+
+    for first in schedule.initial:
+        issue(first, 0.0)
     durations: list[float] = []
     waits: list[list[float]] = []
     while True:
@@ -300,8 +351,9 @@ def simulate_prefetch(
                 now = ready[i]
             now += own[i]
             if target is not None:
-                link_free = max(link_free, now) + copy[target]
-                ready[target] = link_free
+                went_on = issue(target, now)
+                pass_waits[i] += went_on - now
+                now = went_on
         now += after
         durations.append(now - started)
         waits.append(pass_waits)
@@ -329,7 +381,8 @@ def _average(rows: list[list[float]]) -> tuple[float, ...]:
     return tuple(sum(column) / len(rows) for column in zip(*rows, strict=True))
 
 
-def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> StepEstimate:
+def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
+             disk: DiskReads | None = None) -> StepEstimate:
     """Predict the steady-state step time of `plan` on `profile` for `workload`.
 
     Args:
@@ -337,6 +390,8 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> S
             UVA-planned weights are read in place (UVA) or copied on demand.
         profile: the device's rates.
         workload: tokens per step, or a measured resident step time.
+        disk: the plan's disk tier as `offload.pure.disk.estimate.estimate_with_tier`
+            gives it; None: every offloaded weight in host memory.
 
     Returns:
         The estimate, one `LayerEstimate` per layer index up to the last one with a
@@ -364,6 +419,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> S
         pinned=plan.pin.pin,
         profile=profile,
         workload=workload,
+        disk=disk,
     )
 
 
@@ -378,6 +434,7 @@ def _from_loads(
     pinned: bool,
     profile: DeviceProfile,
     workload: Workload,
+    disk: DiskReads | None = None,
 ) -> StepEstimate:
     """The estimate from per-layer loads, which `estimate` reads off a plan.
 
@@ -391,6 +448,7 @@ def _from_loads(
         pinned: whether host copies are pinned (sets the copy rate).
         profile: the device's rates.
         workload: reported in the estimate.
+        disk: the disk tier (`simulate_prefetch`).
     """
     rate = profile.h2d_bytes_per_s(pinned=pinned)
     uva_rate = profile.zero_copy_bytes_per_s
@@ -399,9 +457,12 @@ def _from_loads(
     copy = [copy_bytes[layer] / rate for layer in positions]
     once = {positions[i] for i in schedule.kept_positions}
     per_step = [0 if layer in once else n for layer, n in enumerate(copy_bytes)]
+    # A disk layer is read each step unless it is alone in its staging buffer (read once).
+    read_per_step = {} if disk is None else {
+        positions[i]: seconds for i, seconds in enumerate(disk.seconds) if seconds and dict(disk.next_of)[i] != i}
     passes, period = 1, 1
     if positions:
-        stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule)
+        stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule, disk)
     else:
         stalls = tuple(0.0 for _ in busy)
     return StepEstimate(
@@ -423,6 +484,7 @@ def _from_loads(
                 uva_bytes=uva_bytes[layer],
                 on_demand_bytes=on_demand_bytes[layer],
                 loaded_once_bytes=copy_bytes[layer] - per_step[layer],
+                disk_read_seconds=read_per_step.get(layer, 0.0),
             )
             for layer in range(len(compute))
         ),

@@ -85,6 +85,8 @@ def render_estimate(step: StepEstimate) -> str:
         f"link             = {format_bytes(step.offloaded_bytes_per_step)} ({step.offloaded_bytes_per_step} bytes)"
         f" / {_rate(step.pinned_bytes_per_s)} = {format_seconds(step.link_seconds)}",
         *_loaded_once_lines(step),
+        *([f"disk             = {format_seconds(step.disk_read_seconds)} of reads per step (the disk tier; a late "
+           "read is in the stalls): no step is faster"] if step.disk_read_seconds else []),
         f"limit            = max({format_seconds(step.compute_seconds)}, {format_seconds(step.link_seconds)})"
         f" = {format_seconds(step.limit_seconds)}",
         f"predicted step   = compute {format_seconds(step.compute_seconds)} + stalls "
