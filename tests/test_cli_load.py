@@ -395,3 +395,25 @@ def test_load_on_a_terminal_shows_one_progress_line(checkpoint: Path) -> None:
     assert text.startswith("\rloading ")
     assert text.count("\r") >= 3 and "\rloaded " in text
     assert text.endswith("\n") and text.count("\n") == 1
+
+
+def test_load_with_a_host_budget_streams_the_last_layers_from_disk(capsys: pytest.CaptureFixture[str],
+                                                                   checkpoint: Path) -> None:
+    """``--host-gib``: the four layers offloaded, one staging buffer's worth of budget short
+    of all of them in host memory: the last ones read from the checkpoint at every step."""
+    layer_bytes = 37120  # one layer of the small Llama, float32
+    budget = (3 * layer_bytes) / 2**30
+    code, out, err = run(capsys, "load", str(checkpoint), "--group-size", "1", "--prefetch-step", "1",
+                         "--host-gib", f"{budget}", "--tokens", "5")
+    assert code == 0, err
+    shown = lines_by_label(out)
+    found = re.match(r"(\d+) layers on disk \(([\d.]+ KiB), 0 B spilled\)", shown["disk"])
+    assert found is not None and int(found.group(1)) >= 2, shown["disk"]
+    assert re.search(r"[\d.]+ (KiB|MiB) read from disk at [\d.]+ GB/s$", shown["stats"]), shown["stats"]
+    assert shown["restore"].startswith("done; 18 tensors of layers 0 and 3 equal bit for bit"), shown["restore"]
+
+
+def test_spill_dir_without_a_host_budget_is_refused(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                                    tmp_path: Path) -> None:
+    code, _, err = run(capsys, "load", str(checkpoint), "--group-size", "1", "--spill-dir", str(tmp_path))
+    assert code != 0 and "--spill-dir needs --host-gib" in err

@@ -76,6 +76,10 @@ def cmd_load(args: argparse.Namespace) -> int:
     except ImportError as exc:  # transformers is the optional `hf` extra
         raise UserError(f"offload load needs transformers: pip install 'offload[hf]' ({exc})") from None
     model_class = None if args.model_class is None else _model_class(args.model_class)
+    if args.spill_dir is not None and args.host_gib is None:
+        raise UserError("offload load: --spill-dir needs --host-gib")
+    disk: dict[str, Any] = {} if args.host_gib is None else {
+        "host_budget_bytes": gib_bytes(args.host_gib), "spill_dir": args.spill_dir}
     start = time.monotonic()
     with _ProgressScope(sys.stderr):
         try:
@@ -83,7 +87,7 @@ def cmd_load(args: argparse.Namespace) -> int:
                 args.directory, config, device_budget_bytes=budget, env=env,
                 dtype=None if args.dtype is None else getattr(torch, args.dtype),
                 reserve_bytes=gib_bytes(args.reserve_gib or 0.0),
-                profile=profile_by_name(args.profile) if args.profile else None, model_class=model_class)
+                profile=profile_by_name(args.profile) if args.profile else None, model_class=model_class, **disk)
         except OffloadError:
             raise
         except (OSError, ValueError, RuntimeError) as exc:  # transformers refusing the directory's contents
@@ -99,6 +103,11 @@ def cmd_load(args: argparse.Namespace) -> int:
           f"in {seconds:.2f} s ({nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
     print(f"config:   {how}")
     print(f"plan:     {_plan_summary(plan, _outside_bytes(model))}")
+    tier = offloader.disk_tier
+    if tier is not None:
+        print(f"disk:     {len(tier.disk_positions)} layers on disk ({format_bytes(tier.disk_bytes)}, "
+              f"{format_bytes(tier.spill_bytes)} spilled); host {format_bytes(tier.host_tier_bytes)} + staging ring "
+              f"{format_bytes(tier.staging_ring_bytes)} of the {format_bytes(tier.host_budget_bytes)} budget")
     if not env.platform.has_cuda:
         print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
     start = time.monotonic()
@@ -249,9 +258,12 @@ def _plan_summary(plan: OffloadPlan, outside_bytes: int) -> str:
 
 def _stats_summary(stats: OffloadStats) -> str:
     waited = "n/a" if stats.wait_seconds is None else f"{stats.wait_seconds:.3f} s"
+    disk = "" if not stats.disk_layers else (
+        f", {format_bytes(stats.disk_bytes_read)} read from disk"
+        + ("" if stats.disk_gbps is None else f" at {stats.disk_gbps:.2f} GB/s"))
     return (f"{stats.params_offloaded} parameters offloaded, host {format_bytes(stats.host_bytes)}, device buffers "
             f"{format_bytes(stats.device_buffer_bytes)}, {stats.copies_issued} copies of "
-            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks")
+            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks{disk}")
 
 
 def _restore_and_check(model: Any, offloader: Any) -> int:

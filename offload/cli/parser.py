@@ -178,4 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the model class to build, a transformers or diffusers class name "
                       "(default: the one config.json names)")
     load.add_argument("--tokens", type=tokens, default=8, help="random token ids for the forward pass (default 8)")
+    load.add_argument("--host-gib", type=positive_gib,
+                      help="host GiB the offloaded weights may take: the last offloaded layers that do not fit "
+                      "are read from the checkpoint on disk, streamed (prefetch; the weights are read by name)")
+    load.add_argument("--spill-dir", metavar="DIR",
+                      help="with --host-gib: where weights that cannot be read from the checkpoint as they lie go")
     return parser
