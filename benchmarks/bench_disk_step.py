@@ -5,8 +5,9 @@ width 512 and 24 layers of 12.8 MB) is written under ``--dir`` and removed after
 one run:
 
 1. ``plain``: the checkpoint's files read by the plain sequential ``O_DIRECT`` reader of
-   `benchmarks.bench_disk` after eviction (the median of ``--repeat`` runs): the disk's
-   rate, in GB/s.
+   `benchmarks.bench_disk` after eviction (the median of ``--repeat`` runs), before and
+   again after the timed steps: the disk's rate, in GB/s, is the mean of the two (it
+   drifts on a virtual disk).
 2. The model is loaded with `offload_pretrained(..., host_budget_bytes=)`, every layer
    offloaded (prefetch depth 2), the host budget a third of the offloaded bytes, and
    ``disk_gbps`` the rate just measured.
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from benchmarks.bench_disk import PIECE, evict, filesystem_of, read_plain, timed
@@ -123,7 +125,8 @@ def run(args: argparse.Namespace, directory: Path) -> int:
     rate, direct = plain_gbps(paths, args.repeat)
     print(f"bench_disk_step: a {nbytes / GB:.3f} GB Llama checkpoint (width {args.hidden}, {args.layers} layers) "
           f"on {filesystem_of(directory)}")
-    print(f"plain reader: {rate:.3f} GB/s ({'O_DIRECT' if direct else 'buffered'}, median of {args.repeat})")
+    print(f"plain reader before the steps: {rate:.3f} GB/s ({'O_DIRECT' if direct else 'buffered'}, median of "
+          f"{args.repeat})")
     config = OffloadConfig(backend="prefetch", group_size=1, prefetch_step=2)
     ids = torch.randint(0, 8192, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     probe_budget = 1 << 50  # no disk tier: the plan's offloaded bytes, and a step with every layer in host memory
@@ -147,6 +150,9 @@ def run(args: argparse.Namespace, directory: Path) -> int:
           f"({tier.disk_bytes / GB:.3f} GB), host budget {budget / MIB:.1f} MiB, read ahead {tier.read_ahead}")
     steps = steps_of(model, ids, args.steps)
     stats = offloader.stats()
+    after, _ = plain_gbps(paths, args.repeat)  # the disk's rate drifts: measured on both sides of the steps
+    rate = statistics.median([rate, after])
+    tier = attrs.evolve(tier, disk_gbps=rate)
     offloader.restore()
     step = statistics.median(steps)
     # This machine as a profile: copies at the rate the run without a disk tier measured,
@@ -157,6 +163,7 @@ def run(args: argparse.Namespace, directory: Path) -> int:
     predicted = estimate_with_tier(offloader.plan, tier, here, Workload(tokens_per_step=args.tokens,
                                                                       resident_step_seconds=resident_step)).step_seconds
     ratio = step / predicted
+    print(f"plain reader after the steps: {after:.3f} GB/s; the prediction takes their mean, {rate:.3f} GB/s")
     print(f"resident step {resident_step * 1e3:.1f} ms; step without the disk tier (every layer in host memory) "
           f"{floor * 1e3:.1f} ms; copies at {copy_rate / GB:.2f} GB/s")
     print(f"predicted step (estimate_with_tier: the disk tier read at {rate:.3f} GB/s, copies and compute as "

@@ -16,7 +16,7 @@ def test_quick_run_prints_the_prediction_the_step_and_their_ratio(tmp_path: Path
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_disk_step.main(["--quick", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    rate = re.search(r"^plain reader: ([\d.]+) GB/s", out, re.M)
+    rate = re.search(r"^plain reader before the steps: ([\d.]+) GB/s", out, re.M)
     tier = re.search(r"^tier: (\d+) of (\d+) layers on disk", out, re.M)
     predicted = re.search(r"^predicted step \(estimate_with_tier: .*\): ([\d.]+) ms; ", out, re.M)
     measured = re.search(r"^measured step: ([\d.]+) ms \(median of 2: [\d. ]+\)$", out, re.M)

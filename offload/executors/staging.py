@@ -79,7 +79,7 @@ class StagingRing:
                 spec = specs[ref]
                 raw = buffer[offset:offset + p.nbytes]
                 views[ref] = raw.view(torch_dtype(spec.dtype)).as_strided(spec.shape, spec.stride)
-            self._reads[position] = reads
+            self._reads[position] = _merged(reads)
             self._views[position] = views
         self._holds: list[int | None] = [None] * len(self._buffers)  # the position each buffer holds (or is reading)
         self._pending: dict[int, list[ReadHandle]] = {}
@@ -180,3 +180,17 @@ class StagingRing:
                 handle.wait()
             except ExecutionError:
                 pass
+
+
+def _merged(reads: list[tuple[Ref, Source, int, int, int]]) -> list[tuple[Ref, Source, int, int, int]]:
+    """`reads` with those that follow one another in the same file and in the buffer made
+    one (a run of a layer's parameters, laid out as in its file: `staging_layout`)."""
+    found: list[tuple[Ref, Source, int, int, int]] = []
+    for ref, source, at, offset, n in sorted(reads, key=lambda r: (isinstance(r[1], int), str(r[1]), r[2])):
+        if found:
+            first, last_source, last_at, last_offset, last_n = found[-1]
+            if last_source == source and last_at + last_n == at and last_offset + last_n == offset:
+                found[-1] = (first, source, last_at, last_offset, last_n + n)
+                continue
+        found.append((ref, source, at, offset, n))
+    return found

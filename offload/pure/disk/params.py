@@ -1,6 +1,6 @@
 """The values of the disk tier's parameters and how they lie in a staging buffer: where a
-disk parameter is read from (`DiskSource`, `DiskParam`), and the congruent packing of a
-layer's parameters in its buffer (`residue`, `pack`), for `offload.pure.disk.tier`."""
+disk parameter is read from (`DiskSource`, `DiskParam`), and the congruent layout of a
+layer's parameters in its buffer (`residue`, `layout`), for `offload.pure.disk.tier`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from offload.errors import PlanError
 from offload.pure._checks import int_at_least
 from offload.pure.spec.extents import DiskExtent
 
-__all__ = ["READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource", "pack", "residue", "ring_bytes"]
+__all__ = ["READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource", "layout", "residue", "ring_bytes"]
 
 
 #: Where a parameter whose file offset is not element-aligned starts in its staging
@@ -44,22 +44,6 @@ def residue(p: DiskParam) -> int:
         return 0
     found = p.extent.offset % READ_BLOCK
     return found if found % _ELEMENT_ALIGN == 0 else -1
-
-
-def pack(items: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], int]:
-    """Offsets of (size, residue) items packed one after the other, each at the first
-    offset congruent to its residue modulo `READ_BLOCK` (-1: on `STAGING_ALIGN`), and the
-    bytes they span."""
-    offsets: list[int] = []
-    end = 0
-    for size, wanted in items:
-        if wanted < 0:
-            start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
-        else:
-            start = end + (wanted - end) % READ_BLOCK
-        offsets.append(start)
-        end = start + size
-    return tuple(offsets), end
 
 
 class DiskSource(enum.Enum):
@@ -99,3 +83,37 @@ class DiskParam:
         if self.extent is not None and self.extent.length != self.nbytes:
             raise PlanError(f"layer {self.layer} parameter {self.name!r}: {self.nbytes} bytes, but its extent holds "
                             f"{self.extent.length}", name=self.name, value=self.extent.length)
+
+
+def layout(params: Sequence[DiskParam]) -> tuple[tuple[int, ...], int]:
+    """Where `params` (one layer's) lie in a staging buffer that starts on a `READ_BLOCK`,
+    in their order, and the bytes they span.
+
+    The checkpoint ones go first, in file order. Each starts congruent with its file
+    offset modulo `READ_BLOCK` (`residue`), and one that follows the previous one in its
+    file without a gap follows it in the buffer the same way, so that a run of them is one
+    read. Then the spilled ones, each on a block (as the spill file writes them). One
+    whose file offset is not element-aligned starts on `STAGING_ALIGN`.
+    """
+    def where(i: int) -> tuple[bool, str, int, int]:
+        extent = params[i].extent
+        return (extent is None, extent.path if extent is not None else "", extent.offset if extent is not None else 0,
+                i)
+
+    offsets = [0] * len(params)
+    end = 0
+    run: tuple[str, int, int] | None = None  # the previous one: its file, where it ends there and in the buffer
+    for i in sorted(range(len(params)), key=where):
+        p, wanted = params[i], residue(params[i])
+        extent = p.extent
+        if extent is not None and wanted >= 0 and run is not None and run[:2] == (extent.path, extent.offset):
+            start = run[2]
+        elif wanted < 0:
+            start = -(-end // STAGING_ALIGN) * STAGING_ALIGN
+        else:
+            start = end + (wanted - end) % READ_BLOCK
+        offsets[i] = start
+        end = max(end, start + p.nbytes)
+        run = (extent.path, extent.offset + extent.length, start + p.nbytes) if extent is not None and wanted >= 0 \
+            else None
+    return tuple(offsets), end

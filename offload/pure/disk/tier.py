@@ -37,7 +37,7 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, tuple_of, tuple_of_ints
 from offload.pure.decide.admission import NOT_CHECKED, HostAdmission, assess_host_memory, host_demand
-from offload.pure.disk.params import READ_BLOCK, STAGING_ALIGN, DiskParam, DiskSource, pack, residue, ring_bytes
+from offload.pure.disk.params import READ_BLOCK, STAGING_ALIGN, DiskParam, DiskSource, layout, residue, ring_bytes
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
@@ -238,12 +238,12 @@ def first_reads(tier: DiskTierPlan, initial: Sequence[int]) -> tuple[int, ...]:
 
 def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:
     """Where each disk layer's parameters lie in its staging buffer: by layer, the offset
-    of each of its `DiskTierPlan.params` (in their order) and the bytes they span. Each
-    starts congruent with its file offset modulo `READ_BLOCK` (`residue`)."""
-    items: dict[int, list[tuple[int, int]]] = {}
+    of each of its `DiskTierPlan.params` (in their order) and the bytes they span
+    (`offload.pure.disk.params.layout`: congruent with the files, runs as in the file)."""
+    by_layer: dict[int, list[DiskParam]] = {}
     for p in tier.params:
-        items.setdefault(p.layer, []).append((p.nbytes, residue(p)))
-    return {layer: pack(found) for layer, found in items.items()}
+        by_layer.setdefault(p.layer, []).append(p)
+    return {layer: layout(found) for layer, found in by_layer.items()}
 
 
 def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
@@ -312,10 +312,10 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     would = [_disk_param(p.layer, f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None, p.param,
                          tensors or {}, extents or {})
              for p in plan.offloaded_params if p.tied_to is None]
-    owned: dict[int, list[tuple[int, int]]] = {}
+    owned: dict[int, list[DiskParam]] = {}
     for d in would:
-        owned.setdefault(d.layer, []).append((d.nbytes, residue(d)))
-    staged = {layer: pack(items)[1] for layer, items in owned.items()}  # a layer in a staging buffer
+        owned.setdefault(d.layer, []).append(d)
+    staged = {layer: layout(found)[1] for layer, found in owned.items()}  # a layer in a staging buffer
     positions = plan.offloaded_layers
     kept = plan.schedule.kept_positions
     # A layer sharing a host copy with another layer stays in host memory with it.
