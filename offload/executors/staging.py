@@ -42,13 +42,15 @@ class StagingRing:
         sources: each disk parameter's (file, offset): a checkpoint path, or the spill
             file's fd, and the file offset of its first byte.
         specs: each disk parameter's shape, strides and dtype, for its view.
+        cycle_of: the schedule's cycle of each position (`next_occupants`); empty: one.
 
     Raises:
         ExecutionError: the buffers are not the tier's, or a disk parameter has no source.
     """
 
     def __init__(self, tier: DiskTierPlan, reader: DiskReader, buffers: Sequence[torch.Tensor],
-                 sources: Mapping[Ref, tuple[Source, int]], specs: Mapping[Ref, ParamSpec]) -> None:
+                 sources: Mapping[Ref, tuple[Source, int]], specs: Mapping[Ref, ParamSpec],
+                 cycle_of: Sequence[int] = ()) -> None:
         if len(buffers) != tier.buffers or any(
                 b.device.type != "cpu" or b.dtype != torch.uint8 or not b.is_contiguous()
                 or b.numel() < tier.staging_bytes for b in buffers):
@@ -86,7 +88,7 @@ class StagingRing:
         # Per buffer, what a refill waits for: the last device copy out of it (`copied`).
         self._after: list[Callable[[], object] | None] = [None] * len(self._buffers)
         # Each disk position's buffer's next occupant (itself: the buffer is its alone).
-        self._next_of = next_occupants(tier)
+        self._next_of = next_occupants(tier, cycle_of)
         self._waited_ns = 0
         self.misses = 0  # copies that found their position not staged (read then, not ahead)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from offload import EnvSnapshot
+from offload import EnvSnapshot, OffloadConfig
 from offload.hf import ModelOffloader, offload_model
 from offload.pure.disk.tier import DiskSource, DiskTierPlan
 from offload.runtime.cpu import CpuRuntime
@@ -109,4 +109,53 @@ def test_a_weight_changed_after_loading_is_spilled_not_read_from_the_checkpoint(
     got = step_logits(model)
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a, b)
+    offloader.restore()
+
+
+def test_an_encoder_and_a_decoder_on_disk_decode_exactly_with_the_reads_ahead(tmp_path: Path) -> None:
+    """Whisper's encoder runs once per request and its decoder once per token (two schedule
+    cycles). With layers of both on disk and one staging buffer, each cycle's reads wrap
+    within the cycle: a token's decoder layers find their reads started ahead; only the
+    switches between the stacks read on the spot."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    def build_whisper() -> Any:  # layers of about 1 MB: a staging buffer's alignment is small beside them
+        config = WhisperConfig(vocab_size=96, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=512,
+                               decoder_ffn_dim=512, d_model=128, max_source_positions=16, max_target_positions=32,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        torch.manual_seed(0)
+        made: Any = WhisperForConditionalGeneration(config)
+        return made.eval()
+
+    model = build_whisper()
+    reference = build_whisper()
+    config = OffloadConfig(group_size=1, prefetch_step=1)
+    plan = plan_tier(model, None, read_ahead=1, config=config)[0]
+    budget = plan.host_bytes - 1
+    while True:  # the budget that puts a layer of each stack on disk
+        offloader = offload_model(model, config, env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=budget,
+                                  spill_dir=tmp_path, read_ahead=1)
+        found = offloader.disk_tier
+        assert found is not None
+        if {plan.schedule.cycle_of[p] for p in found.disk_positions} == {0, 1}:
+            break
+        offloader.restore()
+        budget -= 64 << 10
+    features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    run: Any = model
+    ref: Any = reference
+    requests, tokens = 2, 5
+    with torch.inference_mode():
+        for _request in range(requests):
+            encoded = run.model.encoder(features).last_hidden_state
+            assert torch.equal(encoded, ref.model.encoder(features).last_hidden_state)
+            ids = torch.ones(2, 1, dtype=torch.long)
+            for _token in range(tokens):
+                logits = run(encoder_outputs=(encoded,), decoder_input_ids=ids).logits
+                assert torch.equal(logits, ref(encoder_outputs=(encoded,), decoder_input_ids=ids).logits)
+                ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    stats = offloader.stats()
+    assert stats.realignments == 0
+    assert stats.disk_misses <= 2 * requests, stats.disk_misses  # not one per token
     offloader.restore()

@@ -165,7 +165,8 @@ class DiskStream:
                         "out of one blocks until the copy stream reaches it", self.fallbacks, len(self._buffers))
         specs = {(p.layer, p.param.name): p.param for p in plan.offloaded_params if p.layer in set(tier.disk_layers)}
         self._reader = self._io.reader()
-        self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs)
+        self._ring = StagingRing(tier, self._reader, self._buffers, self.host.sources, specs,
+                                 plan.schedule.cycle_of)
         for position in first_reads(tier, plan.schedule.initial):  # a pass's first copies, one per buffer
             self._ring.stage(position)
 

@@ -32,7 +32,7 @@ def disk_reads(plan: OffloadPlan, tier: DiskTierPlan) -> DiskReads:
         nbytes[p.layer] += p.nbytes
     rate = tier.disk_gbps * 1e9
     seconds = tuple(nbytes[layer_at[i]] / rate if i in layer_at else 0.0 for i in range(len(positions)))
-    return DiskReads(seconds=seconds, next_of=tuple(next_occupants(tier).items()),
+    return DiskReads(seconds=seconds, next_of=tuple(next_occupants(tier, plan.schedule.cycle_of).items()),
                      first=first_reads(tier, plan.schedule.initial))
 
 

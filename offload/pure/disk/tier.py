@@ -208,14 +208,23 @@ class DiskTierPlan:
         return from_data(cls, document.get("disk"))
 
 
-def next_occupants(tier: DiskTierPlan) -> dict[int, int]:
+def next_occupants(tier: DiskTierPlan, cycle_of: Sequence[int] = ()) -> dict[int, int]:
     """Each disk position's buffer's next occupant: the next read of its buffer in read
     order, else the buffer's first read of the next pass (itself: the buffer is its alone,
-    read once and kept). The read staged once the copy out of the position is done."""
+    read once and kept). The read staged once the copy out of the position is done.
+
+    With the schedule's cycles (`PrefetchSchedule.cycle_of`: several stacks, such as an
+    encoder run once per request and a decoder once per token), a pass is a pass of the
+    position's cycle: the next occupant is the next read of the buffer in that cycle, else
+    the cycle's first read of it, so that a stack that repeats finds its reads ahead."""
     order, staging = tier.read_order, tier.staging
+
+    def cycle(position: int) -> int:
+        return cycle_of[position] if position < len(cycle_of) else 0
+
     found: dict[int, int] = {}
     for k, position in enumerate(order):
-        same = [j for j in range(len(order)) if staging[j] == staging[k]]
+        same = [j for j in range(len(order)) if staging[j] == staging[k] and cycle(order[j]) == cycle(position)]
         found[position] = order[next((j for j in same if j > k), same[0])]
     return found
 
