@@ -12,6 +12,7 @@ import pytest
 from offload import OffloadPlan
 from offload.cli import main
 from offload.pure.disk.tier import DiskSource, DiskTierPlan
+from offload.pure.serialize import from_data
 from offload.pure.units import GIB
 from tests.hf.checkpoints import build, save
 
@@ -56,7 +57,6 @@ def test_a_preset_has_no_checkpoint_and_spills_every_disk_parameter(capsys: pyte
 @pytest.mark.parametrize(("argv", "message"), [
     (("--disk-gbps", "2"), "--disk-gbps needs --host-gib"),
     (("--read-ahead", "3"), "--read-ahead needs --host-gib"),
-    (("--host-gib", "1", "--fit-gib", "8", "--profile", "h100-pcie5"), "--host-gib does not combine with --fit-gib yet"),
     (("--host-gib", "0"), "--host-gib must be greater than 0"),
     (("--host-gib", "1", "--disk-gbps", "0"), "--disk-gbps must be greater than 0"),
 ])
@@ -77,3 +77,22 @@ def test_the_estimate_with_a_profile_counts_the_disk_reads(capsys: pytest.Captur
     seconds = {"ms": 1e-3, "s": 1.0}
     # No step beats reading the disk tier.
     assert float(predicted.group(1)) * seconds[predicted.group(2)] >= float(found.group(1)) * seconds[found.group(2)]
+
+
+def test_a_fit_with_a_host_budget_puts_the_chosen_plans_last_layers_on_disk(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The fit places the device's bytes; the host budget then puts the last offloaded
+    layers of the plan it chose on disk, and the estimate counts their reads."""
+    code, out, err = _run(capsys, "plan", "llama-8b", "--fit-gib", "8", "--profile", "h200-pcie5", "--host-gib", "4",
+                          "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    plan = from_data(OffloadPlan, document["fit"]["plan"])
+    tier = DiskTierPlan.from_json(json.dumps(document["disk"]))
+    assert tier.host_bytes <= 4 * GIB < plan.host_bytes
+    assert tier.disk_layers == plan.offloaded_layers[len(plan.offloaded_layers) - len(tier.disk_layers):]
+    code, text, err = _run(capsys, "plan", "llama-8b", "--fit-gib", "8", "--profile", "h200-pcie5", "--host-gib", "4")
+    assert code == 0, err
+    assert f"disk:     {len(tier.disk_layers)} layers on disk" in text
+    assert "estimate of the chosen plan with the disk tier read at 1.5 GB/s:" in text
+    assert re.search(r"^disk += [\d.]+ (ms|s) of reads per step", text, re.M), text

@@ -21,6 +21,7 @@ from offload.pure.config import OffloadConfig
 from offload.pure.disk.render import render_disk_tier
 from offload.pure.disk.tier import DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot, Platform
+from offload.pure.fit.candidates import describe
 from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.profiles import (
     DeviceProfile,
@@ -32,7 +33,7 @@ from offload.pure.fit.profiles import (
 from offload.pure.fit.render import render_estimate, render_fit
 from offload.pure.fit.search import fit
 from offload.pure.plan.make import make_plan
-from offload.pure.plan.plan import OffloadPlan
+from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.plan.render import render_plan
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.spec.safetensors import printable
@@ -178,9 +179,6 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
-    if args.host_gib is not None:
-        raise UserError("offload plan: --host-gib does not combine with --fit-gib yet (the fit places device "
-                        "bytes only); plan a configuration with --host-gib instead")
     source = _source(args.source, counted="counted in the fit")
     spec = source.spec
     if args.fit_gib == 0:
@@ -202,12 +200,30 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
             raise
         stacks = "; ".join(line.removeprefix("stack:").strip() for line in source.details if line.startswith("stack:"))
         raise PlanError(f"{exc} (the model's stacks, all planned: {stacks})", name=exc.name, value=exc.value) from exc
+    # The fit places the device's bytes; a host budget then puts the last offloaded layers of
+    # the chosen plan on disk (what stays on the device does not depend on it).
+    tier = _disk_tier(args, result.plan, spec, env) if result.plan.backend is Backend.PREFETCH or \
+        args.host_gib is None else None
+    if args.host_gib is not None and tier is None:
+        raise UserError(f"offload plan: --host-gib needs a prefetch plan; the fit chose {result.chosen.config.backend} "
+                        f"({describe(result.chosen.config)})")
     if args.json:
-        print(result.to_json(indent=2))
+        if tier is None:
+            print(result.to_json(indent=2))
+        else:
+            print(json.dumps({"fit": json.loads(result.to_json()), "disk": json.loads(tier.to_json())}, indent=2))
         return 0
     _print_model(source)
     print(f"profile:  {profile.name} ({profile.device_name})")
     print(render_fit(result))
+    if tier is not None:
+        from offload.pure.disk.estimate import estimate_with_tier
+
+        plan = result.plan
+        print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
+        print()
+        print(f"estimate of the chosen plan with the disk tier read at {tier.disk_gbps:g} GB/s:")
+        print(render_estimate(estimate_with_tier(plan, tier, profile, Workload(tokens_per_step=args.tokens))))
     return 0
 
 
