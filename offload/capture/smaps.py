@@ -5,9 +5,12 @@ memory it really takes, once, however many map it."""
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import attrs
 
-__all__ = ["SMAPS_PATH", "SegmentMemory", "parse_smaps", "segment_memory"]
+__all__ = ["SMAPS_PATH", "SegmentMemory", "parse_smaps", "parse_written", "segment_memory", "written_ranges"]
 
 #: smaps of a process (``self`` or a pid).
 SMAPS_PATH = "/proc/{pid}/smaps"
@@ -64,3 +67,44 @@ def segment_memory(name: str, pid: int | str = "self") -> SegmentMemory:
     """
     with open(SMAPS_PATH.format(pid=pid), encoding="utf-8", errors="replace") as f:
         return parse_smaps(f.read(), name)
+
+
+def parse_written(text: str, ranges: Sequence[tuple[int, int]]) -> tuple[bool, ...]:
+    """For each ``[start, end)`` address range of `ranges`: whether a mapping of `text` (a
+    process's smaps) that overlaps it holds pages copied on write, i.e. written by the
+    process (its ``Anonymous`` is not 0: in a private file mapping, those are the pages
+    that no longer are the file's)."""
+    written: list[tuple[int, int]] = []
+    current: tuple[int, int] | None = None
+    for line in text.splitlines():
+        first, _, _ = line.partition(" ")
+        if "-" in first and not first.endswith(":"):
+            low, _, high = first.partition("-")
+            try:
+                current = (int(low, 16), int(high, 16))
+            except ValueError:
+                current = None
+            continue
+        if current is not None and line.startswith("Anonymous:"):
+            amount = line.split()
+            if len(amount) > 1 and amount[1].isdigit() and int(amount[1]) > 0:
+                written.append(current)
+    written.sort()
+    starts = [start for start, _ in written]
+    found = []
+    for start, end in ranges:
+        # The written mappings are disjoint: the last one that starts before the range ends
+        # overlaps it if any does.
+        at = bisect.bisect_left(starts, end)
+        found.append(bool(at) and written[at - 1][1] > start)
+    return tuple(found)
+
+
+def written_ranges(ranges: Sequence[tuple[int, int]], pid: int | str = "self") -> tuple[bool, ...]:
+    """`parse_written` of process `pid`'s smaps.
+
+    Raises:
+        OSError: the process or its smaps cannot be read.
+    """
+    with open(SMAPS_PATH.format(pid=pid), encoding="utf-8", errors="replace") as f:
+        return parse_written(f.read(), ranges)

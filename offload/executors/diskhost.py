@@ -82,6 +82,7 @@ class DiskHost:
         self._fds: dict[str, int] = {}  # checkpoint path -> fd open for mapping
         self._sources: dict[Ref, tuple[Source, int]] = {}
         self._ours: set[int] = set()  # data pointers of the copies handed out
+        self._spans: dict[Ref, tuple[torch.Tensor, int, int]] = {}  # ref -> its copy, where its bytes lie
         self.mapped_bytes = 0  # bytes mapped from the checkpoint
         self.spilled_bytes = 0  # bytes written to the spill file
 
@@ -178,6 +179,7 @@ class DiskHost:
             os.close(fd)
         self._fds.clear()
         self._sources.clear()
+        self._spans.clear()
         self._unflushed = 0
 
     # ---- helpers ------------------------------------------------------------------------
@@ -216,7 +218,12 @@ class DiskHost:
         self._sources[(p.layer, p.name)] = source
         if host.numel():
             self._ours.add(host.data_ptr())
+            self._spans[(p.layer, p.name)] = (host, host.data_ptr(), host.data_ptr() + p.nbytes)
         return host
+
+    def spans(self) -> dict[Ref, tuple[torch.Tensor, int, int]]:
+        """Each disk parameter's copy and the addresses its bytes take in its mapping."""
+        return {ref: span for ref, span in self._spans.items() if span[1] in self._ours}
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)

@@ -249,11 +249,12 @@ def test_disk_options_without_a_host_budget_are_refused_by_name(tmp_path: Path, 
     assert caught.value.name == option
 
 
-@pytest.mark.parametrize("way", ["parameter", "state_dict"])
+@pytest.mark.parametrize("way", ["parameter", "state_dict", "data"])
 def test_a_disk_weight_written_before_post_init_is_copied_again(tmp_path: Path, way: str) -> None:
     """Post-processing that writes a disk weight in place between wrap and post_init: its
     copy maps the checkpoint privately, so the write is not in the file the reads come
-    from; post_init sees it (the version counters) and spills the weight as it is now."""
+    from; post_init sees it (the version counters; through ``param.data``, which moves
+    none, the pages copied on write) and spills the weight as it is now."""
     model = build_model("llama")
     checkpoint = save(model, tmp_path / "ckpt", sharded=False)
     plan, tier, layers = plan_tier(model, checkpoint)
@@ -262,6 +263,8 @@ def test_a_disk_weight_written_before_post_init_is_copied_again(tmp_path: Path, 
     with torch.no_grad():
         if way == "parameter":
             layer.mlp.up_proj.weight.mul_(2.0)
+        elif way == "data":
+            layer.mlp.up_proj.weight.data.mul_(2.0)  # a fresh version counter: only the pages tell
         else:
             model.state_dict()[f"model.layers.{tier.disk_layers[-1]}.mlp.up_proj.weight"].mul_(2.0)
     # The resident model computing with the doubled weight is what the offloaded one must equal.

@@ -14,6 +14,7 @@ import attrs
 import torch
 from torch import nn
 
+from offload.capture.smaps import written_ranges
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import Ref, find_parameter
 from offload.executors.diskhost import DiskHost
@@ -107,6 +108,7 @@ class DiskStream:
         self._rt: Runtime | None = None
         self._disk = frozenset(tier.disk_positions)
         self._versions: dict[Ref, tuple[nn.Parameter, int, torch.Tensor, int]] = {}  # at wrap (`written`)
+        self._written: set[Ref] = set()  # copies found written in their mappings (`scan_for_writes`)
         self.fallbacks = 0  # staging buffers the plan pins that stayed pageable
         self._read_bytes = 0  # of readers closed before
         self._read_seconds = 0.0
@@ -127,6 +129,25 @@ class DiskStream:
             if param is not None and copy is not None:
                 self._versions[(p.layer, p.name)] = (param, param._version, copy, copy._version)
 
+    def scan_for_writes(self) -> None:
+        """Before post_init re-reads the weights: find the disk copies this process wrote
+        (pages copied on write in their private mappings: a write through ``param.data``
+        moves no version counter), for `written`. Where the process's mappings cannot be
+        read, only the version counters tell (logged)."""
+        spans = self.host.spans()
+        refs = list(spans)
+        try:
+            found = written_ranges([(start, end) for _, start, end in spans.values()])
+        except OSError as exc:
+            log.warning("cannot tell which disk-tier copies were written before post_init (%s): a write through "
+                        "param.data would not reach the disk reads", exc)
+            self._written = set()
+            return
+        self._written = {ref for ref, hit in zip(refs, found, strict=True) if hit}
+        if self._written:
+            log.info("%d disk-tier weights were written before post_init: they are copied again, to the spill file",
+                     len(self._written))
+
     def written(self, ref: Ref, param: nn.Parameter) -> bool:
         """Whether disk parameter `ref` (now `param`) was written in place since wrap: its
         copy maps its file privately, so the write went to this process's copy of the
@@ -138,7 +159,7 @@ class DiskStream:
         before, version, copy, copy_version = entry
         if before is not param or param.data_ptr() != copy.data_ptr():
             return False  # replaced since: the storage check sees it (or it was copied again already)
-        return param._version != version or copy._version != copy_version
+        return ref in self._written or param._version != version or copy._version != copy_version
 
     def start(self, plan: OffloadPlan, rt: Runtime) -> None:
         """At post_init (`plan` as revised): check the files and the tier, allocate the
@@ -157,7 +178,9 @@ class DiskStream:
         # its file offset (`staging_layout`) is read straight in (one block more to shift by).
         like = torch.empty(tier.staging_bytes + READ_BLOCK, dtype=torch.uint8, device="meta")
         self._rt = rt
-        self._allocations = [rt.host_empty(like, pin=plan.pin.method) for _ in range(tier.buffers)]
+        self._allocations = []
+        for _ in range(tier.buffers):  # one at a time: `stop` gives back those made if one fails
+            self._allocations.append(rt.host_empty(like, pin=plan.pin.method))
         self._buffers = [b[(-b.data_ptr()) % READ_BLOCK:][:tier.staging_bytes] for b in self._allocations]
         self.fallbacks = sum(1 for b in self._allocations if plan.pin.pin and b.numel() and not rt.is_pinned(b))
         if self.fallbacks:
@@ -206,6 +229,12 @@ class DiskStream:
         if self._ring is None or self._rt is None:
             return
         self._ring.copied(position, self._blocker(self._rt, done))
+
+    def note_copy(self, position: int, done: Event) -> None:
+        """A copy out of `position`'s buffer that failed part way was issued up to `done`:
+        the next refill of the buffer waits for it (nothing is staged)."""
+        if self._ring is not None and self._rt is not None:
+            self._ring.note_copy(position, self._blocker(self._rt, done))
 
     @staticmethod
     def _blocker(rt: Runtime, done: Event) -> Callable[[], object]:

@@ -161,6 +161,8 @@ class PrefetchOffloader(NewWeights):
                 or copy failed.
         """
         require(self._state, "post_init")
+        if self._disk is not None:
+            self._disk.scan_for_writes()  # disk copies written through .data (Note [disk tier])
         try:
             revised = revise_plan(self._plan, self._resync())
         except BaseException as exc:
