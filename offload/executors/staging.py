@@ -137,8 +137,13 @@ class StagingRing:
     def copied(self, position: int, wait: Callable[[], object]) -> None:
         """A device copy out of `position`'s buffer was issued; `wait` blocks until it is
         done. Its buffer's next occupant in read order is staged to be read after it."""
-        self._after[self._buffer_of[position]] = wait
+        self.note_copy(position, wait)
         self.stage(self._next_of[position])
+
+    def note_copy(self, position: int, wait: Callable[[], object]) -> None:
+        """A device copy out of `position`'s buffer was issued (in part, when it failed):
+        the buffer's next refill waits for `wait`."""
+        self._after[self._buffer_of[position]] = wait
 
     @property
     def waited_seconds(self) -> float:

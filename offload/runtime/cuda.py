@@ -24,7 +24,7 @@ from offload.errors import ExecutionError
 from offload.pure.decide.pinning import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
-from offload.runtime.cudart import copy_stream, host_calls
+from offload.runtime.cudart import copy_stream, host_calls, relax_capture_mode
 from offload.runtime.hostmem import (
     PIECE_BYTES,
     HostAllocation,
@@ -119,6 +119,7 @@ class CudaRuntime:
         # addresses, and start -> (end, pieces).
         self._range_starts: list[int] = []
         self._threads = threading.local()  # per thread: the device `block_on` set current
+        self._locked_ranges: set[int] = set()  # starts of the ranges `_pinned_empty_like` added
         self._ranges: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}
         self._fallbacks = 0
         self._piece_bytes = piece_bytes
@@ -272,6 +273,7 @@ class CudaRuntime:
         self._locked[start] = locked
         if len(locked.pieces) > 1:  # views into it at an offset (a staging buffer's) are cut at its pieces too
             self._add_range(start, start + locked.tensor.untyped_storage().nbytes(), locked.pieces)
+            self._locked_ranges.add(start)
         return locked.tensor
 
     def is_pinned(self, host: torch.Tensor) -> bool:
@@ -295,7 +297,8 @@ class CudaRuntime:
         (they stay readable); an allocation is freed once no tensor uses it. A member of a
         block gives the block back with the last of its members."""
         locked = self._locked.pop(host.data_ptr(), None)
-        if locked is not None:
+        if locked is not None and host.data_ptr() in self._locked_ranges:  # only the range it added
+            self._locked_ranges.discard(host.data_ptr())
             self._drop_range(host.data_ptr())
         block = self._member_of.pop(host.data_ptr(), None)
         if block is not None:
@@ -445,11 +448,14 @@ class CudaRuntime:
         short sleeps: the copies' events are not blocking-sync events, and a synchronize
         on them may spin a core per waiting thread. The thread's current device is set
         to this runtime's first (a thread that has never set it would make a context on
-        device 0)."""
+        device 0), and its capture mode relaxed (an event query in global mode would
+        invalidate a CUDA graph another thread is capturing). For the disk reader's
+        threads, not the thread that runs the model."""
         if not isinstance(event, torch.cuda.Event):
             raise ExecutionError(f"not an event of this runtime: {event!r}", name="event", value=event)
         if getattr(self._threads, "device", None) != self._device:
             torch.cuda.set_device(self._device)
+            relax_capture_mode()  # its event queries must not break another thread's capture
             self._threads.device = self._device
         pause = 50e-6
         while not event.query():  # type: ignore[no-untyped-call]  # unannotated in torch

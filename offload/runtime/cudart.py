@@ -24,7 +24,7 @@ from offload.capture.device import ProbeError, open_libcudart
 from offload.capture.proc import MAPS_PATH
 from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
 
-__all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls"]
+__all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls", "relax_capture_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +149,20 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
     log.debug("the copy stream for %s comes from PyTorch's stream pool", device)
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
 
+
+
+#: cudaStreamCaptureModeRelaxed: this thread's CUDA calls do not invalidate another
+#: thread's stream capture.
+_CAPTURE_MODE_RELAXED = 2
+
+
+def relax_capture_mode() -> bool:
+    """Put the calling thread in relaxed stream-capture mode
+    (``cudaThreadExchangeStreamCaptureMode``), so that what it asks of CUDA (an event
+    query) does not invalidate a CUDA graph another thread is capturing; False where the
+    call is unavailable (the thread stays as it was)."""
+    exchange = _function(_libcudart(), "cudaThreadExchangeStreamCaptureMode", (ctypes.POINTER(ctypes.c_int),))
+    if exchange is None:
+        return False
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    return exchange(ctypes.byref(mode)) == 0

@@ -41,6 +41,9 @@ class CopyQueue(PrefetchState):
             if disk is not None:
                 disk.after_copy(position, done)
         except BaseException as exc:
+            if disk is not None and not first:
+                # Chunks already issued read the staging buffer: no refill before they land.
+                disk.note_copy(position, done)
             # No entry for the position: the layer that needs it realigns (copies it again).
             raise_as_execution_error(
                 exc, f"copying offloaded layer {self._plan.offloaded_layers[position]}'s weights failed", "forward")
