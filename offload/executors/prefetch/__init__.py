@@ -80,6 +80,18 @@ Note [new weights]
     forward begins a new step, without counting a realignment. A write into a slot
     itself (``param.copy_()``) is refused at the next forward (its version counter).
 
+Note [compiled then eager]
+    The eager check before each run compares each offloaded parameter's version counter
+    with the one taken at post_init, so that a write into a slot (``param.copy_()``) is
+    refused. The custom ops declare the slot tensors mutated, and where torch runs them
+    outside a graph (a graph break) or writes a functionalised graph's mutations back,
+    the counters move without any write of the user's. So once the compiled path has run
+    (`wait_layer`, `start_after_layer`), an eager check that finds only counters moved
+    (the parameters themselves and their buffers unchanged) takes them as they are and
+    goes on; a write into a slot made between a compiled and an eager forward is then not
+    seen (the next copy overwrites it). Before any compiled forward, and after each such
+    acceptance until the ops run again, writes are refused as before.
+
 Note [disk tier]
     With a disk tier (`offload.pure.disk.tier`) the copies of a disk position read its
     staging buffer (`offload.executors.staging`), not host copies: before they are issued

@@ -2,7 +2,7 @@
 layer whose slot they overwrite, waited for before the layer that reads them, and the
 schedule put right when layers run out of order. The rules it keeps are the package's
 notes: Note [ordering], Note [in flight], Note [kept position], Note [capture boundary],
-Note [realign]."""
+Note [realign], Note [compiled then eager]."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 from typing import NoReturn
 
 from offload.errors import ExecutionError
-from offload.executors.bound import first_changed
+from offload.executors.bound import compile_check, first_changed
 from offload.executors.common import raise_as_execution_error
 from offload.executors.lifecycle import Lifecycle, refuse, require
 from offload.executors.prefetch.state import PrefetchState
@@ -90,6 +90,7 @@ class CopyQueue(PrefetchState):
         """Before `layer` runs: make the compute stream wait for its weights' copy (called
         by the custom op). Nothing to do for a layer the revised plan no longer offloads."""
         position = self._position(layer)
+        self._ops_ran = True  # (Note [compiled then eager])
         if position is not None:
             self._wait_at(position, self._rt.is_capturing(), eager=False)
 
@@ -107,7 +108,10 @@ class CopyQueue(PrefetchState):
         # slot, and was not written in place (its version counter; not under the ops,
         # whose declared mutations of the slot tensors move it: see `offload.executors.ops`).
         if not (self._checks[position] if eager else self._checks_traced[position])():
-            self._refuse_changed(position, eager)
+            if eager and self._ops_ran and self._checks_traced[position]():
+                self._accept_versions()  # only the compiled path's ops moved them (Note [compiled then eager])
+            else:
+                self._refuse_changed(position, eager)
         expected = self._expected[cycle]
         self._expected[cycle] = self._successor[position]
         if position != expected or (self._recovering and cycle in self._recovering):
@@ -132,6 +136,15 @@ class CopyQueue(PrefetchState):
                     "forward")
         # Otherwise the event belongs to the other side of a capture boundary and cannot be
         # waited on (Note [capture boundary]).
+
+    def _accept_versions(self) -> None:
+        """Take every bound parameter's version counter as it is now: after new weights
+        were written, or after compiled forwards whose ops moved them (Note [compiled then
+        eager])."""
+        self._bound = [[(params, leaf, param, pointer, param._version) for params, leaf, param, pointer, _ in entries]
+                       for entries in self._bound]
+        self._checks = [compile_check(entries, versions=True) for entries in self._bound]
+        self._ops_ran = False
 
     def _refuse_changed(self, position: int, eager: bool) -> NoReturn:
         """Raise for the first bound parameter of `position` that changed after post_init."""
@@ -213,6 +226,7 @@ class CopyQueue(PrefetchState):
         """After `layer` ran: issue the copy the schedule names next (called by the op);
         nothing while the schedule is being realigned."""
         position = self._position(layer)
+        self._ops_ran = True  # (Note [compiled then eager])
         if position is not None and not (self._recovering and self._cycle_of[position] in self._recovering):
             self._start_at(position, self._rt.is_capturing())
 

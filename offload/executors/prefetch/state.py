@@ -74,6 +74,7 @@ class PrefetchState:
         self._bound_names: list[list[str]] = []
         self._checks: list[Check] = []  # position -> its check (`offload.executors.bound`), versions included
         self._checks_traced: list[Check] = []  # the same without versions, for the custom ops' path
+        self._ops_ran = False  # the custom ops' path ran since the versions were taken (Note [compiled then eager])
         # id of an offloaded Parameter -> (it, the owner of its host copy): what a
         # conversion (`model.to()`, `_apply`) converts instead of its slot (post_init).
         self._convert_from: dict[int, tuple[nn.Parameter, Ref]] = {}

@@ -159,7 +159,5 @@ class NewWeights(ForwardPath):
         they are, and fill the slots afresh (after post_init)."""
         if self._state is not Lifecycle.READY:
             return
-        self._bound = [[(params, leaf, param, pointer, param._version) for params, leaf, param, pointer, _ in entries]
-                       for entries in self._bound]
-        self._compile_checks()
+        self._accept_versions()
         self._refill()
