@@ -24,6 +24,7 @@ def test_quick_run_prints_the_prediction_the_step_and_their_ratio(tmp_path: Path
     assert rate and tier and predicted and measured and ratio, out
     assert 0 < int(tier.group(1)) <= int(tier.group(2)) == 8
     assert float(rate.group(1)) > 0 and float(predicted.group(1)) > 0 and float(measured.group(1)) > 0
-    assert float(ratio.group(1)) == pytest.approx(float(measured.group(1)) / float(predicted.group(1)), rel=0.01)
+    # The ratio of the two times as printed (to 0.1 ms: a few percent on the quick run's ms).
+    assert float(ratio.group(1)) == pytest.approx(float(measured.group(1)) / float(predicted.group(1)), rel=0.1)
     assert re.search(r", 0 not started ahead$", out, re.M), out
     assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.bench_disk import evict
 from offload.runtime.diskio import CHUNK_BYTES, THREADS
 from tests.hf.load_script import STATUS, build
 
@@ -47,17 +48,6 @@ READER_STAGING = THREADS * CHUNK_BYTES
 Report = dict[str, Any]
 
 
-def _evict(directory: Path) -> None:
-    """Write `directory`'s files back and drop them from the page cache."""
-    for file in directory.glob("*.safetensors"):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _launch(args: list[str]) -> subprocess.Popen[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OFFLOAD_", "VLLM_"))}
     environ["HF_HUB_OFFLINE"] = "1"
@@ -73,8 +63,8 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Report]:
     spill.mkdir()
     nbytes = build(big, hidden=512, layers=24)
     build(small, hidden=512, layers=6)
-    _evict(big)
-    _evict(small)
+    evict(sorted(big.glob("*.safetensors")))
+    evict(sorted(small.glob("*.safetensors")))
     running = {
         "baseline": _launch(["baseline", str(big)]),
         "disk": _launch(["disk", str(big), "--host-budget-mib", str(BUDGET_MIB), "--spill-dir", str(spill)]),
