@@ -159,3 +159,28 @@ def test_an_encoder_and_a_decoder_on_disk_decode_exactly_with_the_reads_ahead(tm
     assert stats.realignments == 0
     assert stats.disk_misses <= 2 * requests, stats.disk_misses  # not one per token
     offloader.restore()
+
+
+def test_quantised_weights_on_disk_are_spilled_by_their_inner_tensors_bit_for_bit(tmp_path: Path) -> None:
+    """torchao int8 weights: their inner tensors (no checkpoint holds them as the model
+    does) go to the spill file, and greedy ``generate`` stays bit for bit."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    made: Any = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # untyped
+    model: Any = made.eval().to(torch.bfloat16)
+    quantize_(model, Int8WeightOnlyConfig())
+    want = step_logits(model)
+    plan = plan_tier(model, None, read_ahead=2)[0]
+    offloader = offload_model(model, PLAN, env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=plan.host_bytes - 1,
+                              spill_dir=tmp_path)
+    tier = _three_tiers(offloader)
+    assert tier.spill_bytes == tier.disk_bytes and any(".parametrizations." in p.name for p in tier.params)
+    for a, b in zip(want, step_logits(model), strict=True):
+        assert torch.equal(a, b)
+    offloader.restore()
+    for a, b in zip(want, step_logits(model), strict=True):
+        assert torch.equal(a, b)
