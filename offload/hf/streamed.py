@@ -221,9 +221,11 @@ def load_streamed(
     spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
     if spilled is not None:
         raise CheckpointError(f"layer {spilled.layer} parameter {spilled.name!r} would go to disk but cannot be read "
-                              f"from the checkpoint as the model holds it ({spilled.reason}): load without "
-                              "host_budget_bytes, or with the dtype it is stored in", name=spilled.name,
-                              value=spilled.layer)
+                              f"from the checkpoint as the model holds it ({spilled.reason}): transformers converts "
+                              "it at load. Load with the dtype it is stored in, or, where host memory holds the "
+                              "model while it loads, load it (load_on_host) and offload it with offload_model(model, "
+                              "..., host_budget_bytes=, checkpoint=path, spill_dir=), which spills what the "
+                              "checkpoint does not hold as the model does", name=spilled.name, value=spilled.layer)
     _outside(model, layers, found.tensors, found.extents)
     from offload.create import create_offloader, default_runtime
 
