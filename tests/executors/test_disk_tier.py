@@ -321,3 +321,18 @@ def test_the_live_check_shows_disk_placements_and_whether_each_file_is_as_planne
     assert not stale.ok and [(f.path, f.changes) for f in stale.changed_files] == [(changed, ("mtime_ns",))]
     assert f"file {changed}: mtime_ns changed" in render_check(stale)
     offloader.restore()
+
+
+def test_a_model_on_meta_with_a_disk_weight_to_spill_is_refused_naming_it(tmp_path: Path) -> None:
+    """Wrapping on meta maps the disk weights read from the checkpoint; one that would go to
+    the spill file has no values yet to write there: refused by name, nothing moved."""
+    with torch.device("meta"):
+        model = build_model("llama")
+    plan, tier, layers = plan_tier(model, None)  # no checkpoint: every disk weight is to be spilled
+    offloader = PrefetchOffloader(plan, CpuRuntime(), disk=tier, spill_dir=tmp_path)
+    first = tier.params[0]
+    with pytest.raises(ExecutionError, match=rf"layer {first.layer} parameter '{first.name}' is on meta and goes to "
+                                             "the spill file"):
+        offloader.wrap_modules(layers)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert list(tmp_path.iterdir()) == []
