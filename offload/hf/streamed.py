@@ -15,7 +15,9 @@ than host memory cannot afford. With a host budget the model is loaded here inst
    a time (`load_weights`), and `post_init` runs.
 
 Host memory peaks at the host tier, the staging ring, the weights outside the layers and
-one tensor. The weights are read by their names in the model: a checkpoint whose names
+one tensor. Without `dtype` the model is built in the dtype most of the checkpoint's
+floating-point bytes are stored in (not transformers' per-module rules such as
+``_keep_in_fp32_modules``): pass `dtype` to choose. The weights are read by their names in the model: a checkpoint whose names
 or layouts transformers converts at load (renamed keys, MoE experts fused), a `dtype`
 other than the one stored for a disk weight, or quantisation at load are refused, naming
 the first weight; load those without a host budget.
