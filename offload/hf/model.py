@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from offload.errors import ConfigError, ExecutionError, PlanError
+from offload.hf.disk import DiskRequest, disk_request, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.offloader import ModelOffloader, Slot, outside_bytes, outside_tensors
 from offload.model.describe import describe_stacks, storage_key
@@ -134,10 +135,11 @@ def offload_model(
             host budget the plan cannot meet, or disk options without a host budget.
         ExecutionError: a move failed; the model is left as it was.
     """
+    disk = disk_request(host_budget_bytes, checkpoint=checkpoint, spill_dir=spill_dir, disk_gbps=disk_gbps,
+                        read_ahead=read_ahead)
     return offload_stacks(model, find_stacks(model, layers_path), config, device_budget_bytes=device_budget_bytes,
                           env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                          host_budget_bytes=host_budget_bytes, checkpoint=checkpoint, spill_dir=spill_dir,
-                          disk_gbps=disk_gbps, read_ahead=read_ahead)
+                          disk=disk)
 
 
 def offload_stacks(
@@ -151,21 +153,12 @@ def offload_stacks(
     reserve_bytes: int = 0,
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
-    host_budget_bytes: int | None = None,
-    checkpoint: str | os.PathLike[str] | None = None,
-    spill_dir: str | os.PathLike[str] | None = None,
-    disk_gbps: float | None = None,
-    read_ahead: int = 2,
+    disk: DiskRequest | None = None,
 ) -> ModelOffloader:
     """`offload_model` of the given stacks of `model` (found by the caller: `find_stacks`,
     or every component's of a pipeline, `offload.diffusers.offload_pipeline`); the rest of
-    `model` goes to the device. Arguments and errors as `offload_model`'s."""
-    if host_budget_bytes is None:
-        given = next((name for name, value in (("checkpoint", checkpoint), ("spill_dir", spill_dir),
-                                               ("disk_gbps", disk_gbps)) if value is not None), None)
-        if given is not None or read_ahead != 2:
-            raise ConfigError(f"{given or 'read_ahead'} is a disk tier option: give host_budget_bytes too",
-                              name=given or "read_ahead", value=host_budget_bytes)
+    `model` goes to the device. Arguments and errors as `offload_model`'s; `disk`: its
+    disk options (`disk_request`), or None."""
     if env is None:
         from offload.capture import capture_env
 
@@ -190,15 +183,11 @@ def offload_stacks(
                         f"{format_bytes(outside_bytes(rest))})", name=exc.name, value=exc.value) from exc
     from offload.create import create_offloader, default_runtime
 
-    disk = None
-    if host_budget_bytes is not None:
-        from offload.hf.disk import plan_model_disk
-
-        disk = plan_model_disk(model, layers, plan, env, host_budget_bytes=host_budget_bytes, checkpoint=checkpoint,
-                               disk_gbps=disk_gbps, read_ahead=read_ahead)
+    tier = plan_model_disk(model, layers, plan, env, disk) if disk is not None else None
     rt = runtime if runtime is not None else default_runtime(plan)
     _refuse_wrappers_to_move(rest, rt.device)
-    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=disk, spill_dir=spill_dir), rt)
+    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier,
+                                                               spill_dir=disk.spill_dir if disk else None), rt)
     offloader.wrap_modules(layers)
     try:
         offloader.post_init()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from offload.errors import CheckpointError, ConfigError
+from offload.hf.disk import DiskRequest, disk_request
 from offload.hf.model import ModelOffloader, offload_model
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
@@ -310,14 +311,11 @@ def offload_pretrained(
             built, or not every weight loaded (as for `load_on_host`).
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
-    if host_budget_bytes is not None:
-        return _streamed(path, config, host_budget_bytes=host_budget_bytes, spill_dir=spill_dir, disk_gbps=disk_gbps,
-                         read_ahead=read_ahead, device_budget_bytes=device_budget_bytes, env=env, dtype=dtype,
+    disk = disk_request(host_budget_bytes, spill_dir=spill_dir, disk_gbps=disk_gbps, read_ahead=read_ahead)
+    if disk is not None:
+        return _streamed(path, config, disk, device_budget_bytes=device_budget_bytes, env=env, dtype=dtype,
                          runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
                          layers_path=layers_path, model_class=model_class, kwargs=kwargs)
-    if spill_dir is not None or disk_gbps is not None or read_ahead != 2:
-        given = "spill_dir" if spill_dir is not None else "disk_gbps" if disk_gbps is not None else "read_ahead"
-        raise ConfigError(f"{given} is a disk tier option: give host_budget_bytes too", name=given, value=None)
     model = load_on_host(path, dtype=dtype, model_class=model_class, **kwargs)
     offloader = offload_model(model, config, device_budget_bytes=device_budget_bytes, env=env, runtime=runtime,
                               reserve_bytes=reserve_bytes, profile=profile, workload=workload,
@@ -325,8 +323,7 @@ def offload_pretrained(
     return model, offloader
 
 
-def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, *, host_budget_bytes: int,
-              spill_dir: str | os.PathLike[str] | None, disk_gbps: float | None, read_ahead: int,
+def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, disk: DiskRequest, *,
               device_budget_bytes: int | None, env: EnvSnapshot | None, dtype: torch.dtype | None,
               runtime: Runtime | None, reserve_bytes: int, profile: DeviceProfile | None, workload: Workload | None,
               layers_path: str | Sequence[str] | None, model_class: Any,
@@ -352,9 +349,8 @@ def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, *, hos
 
         env = capture_env()
     log.info("loading %s as %s (%s), streamed: host budget %s", root, getattr(model_class, "__name__", model_class),
-             source, format_bytes(host_budget_bytes))
-    model, offloader = load_streamed(root, model_class, config, host_budget_bytes=host_budget_bytes,
-                                     spill_dir=spill_dir, disk_gbps=disk_gbps, read_ahead=read_ahead,
+             source, format_bytes(disk.host_budget_bytes))
+    model, offloader = load_streamed(root, model_class, config, disk=disk,
                                      device_budget_bytes=device_budget_bytes, env=env, dtype=dtype, runtime=runtime,
                                      reserve_bytes=reserve_bytes, profile=profile, workload=workload,
                                      layers_path=layers_path)

@@ -33,12 +33,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
 from offload.errors import CheckpointError, ExecutionError
 from offload.executors.common import torch_dtype
-from offload.hf.disk import plan_model_disk
+from offload.hf.disk import DiskRequest, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.model import plan_model
 from offload.hf.offloader import ModelOffloader, outside_bytes, outside_tensors
@@ -185,10 +186,7 @@ def load_streamed(
     model_class: Any,
     config: OffloadConfig | None,
     *,
-    host_budget_bytes: int,
-    spill_dir: str | os.PathLike[str] | None,
-    disk_gbps: float | None,
-    read_ahead: int,
+    disk: DiskRequest,
     device_budget_bytes: int | None,
     env: EnvSnapshot,
     dtype: torch.dtype | None,
@@ -218,8 +216,7 @@ def load_streamed(
     plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
                       outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
                       workload=workload)
-    tier = plan_model_disk(model, layers, plan, env, host_budget_bytes=host_budget_bytes, checkpoint=root,
-                           disk_gbps=disk_gbps, read_ahead=read_ahead)
+    tier = plan_model_disk(model, layers, plan, env, attrs.evolve(disk, checkpoint=root))
     spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
     if spilled is not None:
         raise CheckpointError(f"layer {spilled.layer} parameter {spilled.name!r} would go to disk but cannot be read "
@@ -232,7 +229,7 @@ def load_streamed(
     from offload.create import create_offloader, default_runtime
 
     rt = runtime if runtime is not None else default_runtime(plan)
-    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=spill_dir), rt)
+    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=disk.spill_dir), rt)
     offloader.wrap_modules(layers)
     try:
         names = {id(module): name for name, module in model.named_modules()}

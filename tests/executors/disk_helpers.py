@@ -16,7 +16,7 @@ from offload import EnvSnapshot, OffloadConfig, OffloadPlan
 from offload.executors.prefetch import PrefetchOffloader
 from offload.executors.prefetch.disk import DiskIO
 from offload.hf import ModelOffloader, find_stacks
-from offload.hf.disk import plan_model_disk
+from offload.hf.disk import DiskRequest, plan_model_disk
 from offload.hf.model import plan_model
 from offload.model.describe import describe_stacks
 from offload.protocols import Runtime
@@ -66,14 +66,14 @@ def plan_tier(model: nn.Module, checkpoint: Path | None, *, read_ahead: int = 2,
     layers = [layer for stack in stacks for layer in stack]
     plan = plan_model(describe_stacks(stacks), EnvSnapshot(), config=config, device_budget_bytes=None,
                       outside_bytes=0)
-    tier = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=plan.host_bytes - 1,
-                           checkpoint=checkpoint, disk_gbps=None, read_ahead=read_ahead)
+    tier = plan_model_disk(model, layers, plan, EnvSnapshot(), DiskRequest(
+        host_budget_bytes=plan.host_bytes - 1, checkpoint=checkpoint, read_ahead=read_ahead))
     assert tier is not None
     budget = plan.host_bytes - 1
     while disk_layers is not None and len(tier.disk_positions) < disk_layers:  # a smaller budget, a block at a time
         budget -= READ_BLOCK
-        found = plan_model_disk(model, layers, plan, EnvSnapshot(), host_budget_bytes=budget, checkpoint=checkpoint,
-                                disk_gbps=None, read_ahead=read_ahead)
+        found = plan_model_disk(model, layers, plan, EnvSnapshot(), DiskRequest(
+            host_budget_bytes=budget, checkpoint=checkpoint, read_ahead=read_ahead))
         assert found is not None
         tier = found
     assert disk_layers is None or len(tier.disk_positions) == disk_layers
