@@ -141,10 +141,14 @@ def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str
     """Read every parameter outside the layers (a tie once, under any of its names) and
     every persistent buffer the checkpoint holds, from the checkpoint."""
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+
+    def full_name(module: nn.Module, name: str) -> str:
+        return f"{names[id(module)]}.{name}".lstrip(".")
+
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
     for (module, name, is_param), tensor in outside_tensors(model, layers):
-        full = f"{names[id(module)]}.{name}".lstrip(".")
+        full = full_name(module, name)
         if is_param and isinstance(tensor, nn.Parameter):
             slots.setdefault(id(tensor), []).append((module, name))
             params[id(tensor)] = tensor
@@ -152,10 +156,9 @@ def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str
             module._buffers[name] = read_tensor(extents[full], tensors[full]).to(tensor.dtype)
     for key, param in params.items():
         where = slots[key]
-        found = next((f"{names[id(m)]}.{n}".lstrip(".") for m, n in where
-                      if f"{names[id(m)]}.{n}".lstrip(".") in tensors), None)
+        found = next((full_name(m, n) for m, n in where if full_name(m, n) in tensors), None)
         if found is None:
-            shown = ", ".join(f"{names[id(m)]}.{n}".lstrip(".") for m, n in where)
+            shown = ", ".join(full_name(m, n) for m, n in where)
             raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (transformers renames or "
                                   "converts it at load): load without host_budget_bytes", name=shown, value=None)
         data = read_tensor(extents[found], tensors[found])

@@ -378,12 +378,11 @@ class PrefetchOffloader(NewWeights):
         slots = [t for buffers in self._buffers.values() for t in buffers.values()]
         disk = self._disk
         hosts = self._host.tensors()
-        if disk is None:
-            return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                                  slots=slots, hosts=hosts)
         return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                              slots=slots, hosts=hosts, on_disk=[(p.layer, p.name) for p in disk.tier.params],
-                              in_files=[t for t in hosts if not disk.host.writable(t)], files=disk.files_now())
+                              slots=slots, hosts=hosts,
+                              on_disk=[(p.layer, p.name) for p in disk.tier.params] if disk else (),
+                              in_files=[t for t in hosts if not disk.host.writable(t)] if disk else (),
+                              files=disk.files_now() if disk else ())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
         """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward

@@ -458,8 +458,9 @@ def _from_loads(
     once = {positions[i] for i in schedule.kept_positions}
     per_step = [0 if layer in once else n for layer, n in enumerate(copy_bytes)]
     # A disk layer is read each step unless it is alone in its staging buffer (read once).
+    next_of = dict(disk.next_of) if disk is not None else {}
     read_per_step = {} if disk is None else {
-        positions[i]: seconds for i, seconds in enumerate(disk.seconds) if seconds and dict(disk.next_of)[i] != i}
+        positions[i]: seconds for i, seconds in enumerate(disk.seconds) if seconds and next_of[i] != i}
     passes, period = 1, 1
     if positions:
         stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule, disk)
