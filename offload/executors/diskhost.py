@@ -32,7 +32,7 @@ from offload.errors import ExecutionError
 from offload.executors.common import Ref
 from offload.pure.disk.tier import DiskParam, DiskSource, DiskTierPlan
 from offload.runtime.diskio import Source
-from offload.runtime.spill import SpillFile, map_file
+from offload.runtime.spill import SpillFile, map_file, read_exact
 
 __all__ = ["DiskHost"]
 
@@ -192,7 +192,6 @@ class DiskHost:
         # Read into a buffer of its own, not through the mapping: the mapping's pages then
         # stay untouched (no host memory), and the page cache lets go of the range.
         same = torch.equal(_flat_bytes(data), self._read(extent.path, extent.offset, p.nbytes))
-        self._drop_cached(extent.path, extent.offset, p.nbytes)
         if not same:
             return None
         self.mapped_bytes += p.nbytes
@@ -237,21 +236,15 @@ class DiskHost:
         return fd
 
     def _read(self, path: str, offset: int, length: int) -> torch.Tensor:
-        """`length` bytes of `path` from `offset`, read into a new host tensor.
+        """`length` bytes of `path` from `offset`, read into a new host tensor (and let go
+        of by the page cache).
 
         Raises:
             ExecutionError: the read failed or came up short.
         """
         out = torch.empty(length, dtype=torch.uint8)
-        view: memoryview = out.numpy().data
-        view = view.cast("B")
-        done = 0
         try:
-            while done < length:
-                got = os.preadv(self._fd(path), [view[done:]], offset + done)
-                if got <= 0:
-                    raise OSError(f"end of file after {done} of {length} bytes")
-                done += got
+            read_exact(self._fd(path), out, offset)
         except OSError as exc:
             raise ExecutionError(f"reading {length} bytes of checkpoint file {path!r} at offset {offset} failed: "
                                  f"{exc}", name="path", value=path) from exc
@@ -262,10 +255,3 @@ class DiskHost:
             return map_file(self._fd(path), offset, length)
         except ExecutionError as exc:
             raise ExecutionError(f"{Path(path).name}: {exc}", name="path", value=path) from exc
-
-    def _drop_cached(self, path: str, offset: int, length: int) -> None:
-        """Best effort: `path`'s pages in this range out of the page cache."""
-        try:
-            os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass

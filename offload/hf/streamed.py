@@ -54,6 +54,7 @@ from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.spec.extents import DiskExtent
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.units import format_bytes
+from offload.runtime.spill import read_exact
 
 __all__ = ["load_streamed", "params_on_meta"]
 
@@ -88,21 +89,12 @@ def read_tensor(extent: DiskExtent, header: TensorHeader) -> torch.Tensor:
         CheckpointError: the read failed or came up short.
     """
     out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
-    view: memoryview = out.reshape(-1).view(torch.uint8).numpy().data
-    done = 0
     try:
         fd = os.open(extent.path, os.O_RDONLY)
     except OSError as exc:
         raise CheckpointError(f"cannot open {extent.path!r}: {exc}", name=extent.path, value=header.name) from exc
     try:
-        while done < extent.length:
-            got = os.preadv(fd, [view[done:]], extent.offset + done)
-            if got <= 0:
-                raise CheckpointError(f"{extent.path}: ends {extent.length - done} bytes into tensor {header.name!r}",
-                                      name=extent.path, value=header.name)
-            done += got
-        with contextlib.suppress(OSError):  # read once: not kept in the page cache
-            os.posix_fadvise(fd, extent.offset, extent.length, os.POSIX_FADV_DONTNEED)
+        read_exact(fd, out, extent.offset)
     except OSError as exc:
         raise CheckpointError(f"reading tensor {header.name!r} from {extent.path!r} failed: {exc}",
                               name=extent.path, value=header.name) from exc

@@ -24,7 +24,7 @@ import torch
 
 from offload.errors import ExecutionError
 
-__all__ = ["SpillFile", "map_file"]
+__all__ = ["SpillFile", "map_file", "read_exact"]
 
 log = logging.getLogger("offload.runtime.spill")
 
@@ -44,6 +44,29 @@ def _span(tensor: torch.Tensor) -> memoryview:
     data = torch.empty(0, dtype=torch.uint8).set_(storage, first, (nbytes,), (1,))
     view: memoryview = data.numpy().data
     return view.cast("B")
+
+
+def read_exact(fd: int, dest: torch.Tensor, offset: int) -> None:
+    """Fill `dest` (a contiguous host tensor) with its bytes' worth of the file open as
+    `fd`, from `offset`, read with ``pread`` (not through a mapping), then ask the page
+    cache to let go of them (best effort: they were read once).
+
+    Raises:
+        OSError: the read failed, or the file ended first (saying after how many bytes).
+    """
+    view: memoryview = dest.reshape(-1).view(torch.uint8).numpy().data
+    view = view.cast("B")
+    length, done = len(view), 0
+    while done < length:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(errno.EIO, f"end of file after {done} of {length} bytes")
+        done += got
+    if length:  # (a length of 0 would mean to the end of the file)
+        try:
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def map_file(fd: int, offset: int, length: int) -> torch.Tensor:
