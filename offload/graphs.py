@@ -8,18 +8,18 @@ is tested on the CPU with a runtime that plays a capture.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import torch
 
+from offload.logs import logger
 from offload.protocols import Offloader
 
 __all__ = ["capture_forward", "captured"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.compile")
 
 T = TypeVar("T")
 

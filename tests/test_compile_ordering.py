@@ -41,7 +41,7 @@ def test_forced_bfs_schedule_keeps_weight_only_math_after_each_wait(caplog: pyte
     """Before the fix the outputs were off by more than 1 (every layer dequantised another
     layer's int8 weights); now they match, and inductor re-inplaces the ops (they get the
     buffers themselves, no copies)."""
-    caplog.set_level(logging.INFO, logger="offload.executors.ops")
+    caplog.set_level(logging.INFO, logger="offload.compile")
     torch._dynamo.reset()
     model = _int8_model()
     reference = copy.deepcopy(model)
@@ -67,7 +67,7 @@ def test_aot_eager_with_deferred_copies_is_exact_and_leaves_the_buffers_right(
     slots and the graph writes the copies back afterwards. The ops fill the copies (the
     start lets its copy land first), so compiled forwards are exact and an eager forward
     after them still reads the right weights."""
-    caplog.set_level(logging.INFO, logger="offload.executors.ops")
+    caplog.set_level(logging.INFO, logger="offload.compile")
     torch._dynamo.reset()
     model = transformer_model(5)
     reference = copy.deepcopy(model)

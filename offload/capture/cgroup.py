@@ -21,6 +21,7 @@ from pathlib import Path
 
 import attrs
 
+from offload.logs import logger
 from offload.pure.env.cgroup import (
     CgroupLevel,
     CgroupMemory,
@@ -41,7 +42,7 @@ from offload.pure.env.snapshot import Platform
 
 __all__ = ["MOUNTINFO_PATH", "PROC_CGROUP_PATH", "probe_cgroup", "with_cgroup_memory"]
 
-_log = logging.getLogger(__name__)
+_log = logger("offload.env")
 
 PROC_CGROUP_PATH = "/proc/self/cgroup"
 #: The usual mount points (cgroup version, root, mount point), when

@@ -6,7 +6,6 @@ platform's device fields, each unreadable value a safe assumption with a note.""
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from collections.abc import Callable
 from typing import Any, Protocol, final
@@ -15,6 +14,7 @@ import attrs
 import torch
 
 from offload.capture.proc import MAPS_PATH, ReadText, read_proc_text
+from offload.logs import logger
 from offload.pure.env.procfs import find_libcudart
 
 __all__ = [
@@ -33,7 +33,7 @@ __all__ = [
     "torch_cuda_probe",
 ]
 
-_log = logging.getLogger("offload.capture.env")
+_log = logger("offload.env")
 
 # cudaDeviceAttr values from the CUDA runtime API (driver_types.h); see FACTS.md.
 ATTR_CAN_MAP_HOST_MEMORY = 19

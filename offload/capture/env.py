@@ -31,11 +31,12 @@ from offload.capture.cgroup import with_cgroup_memory
 from offload.capture.device import CudaProbe, probe_device, torch_cuda_probe
 from offload.capture.numa import with_numa_topology
 from offload.capture.proc import ReadText, probe_meminfo, probe_memlock, probe_wsl, read_proc_text
+from offload.logs import logger
 from offload.pure.env.snapshot import EnvSnapshot, Platform, parse_env
 
 __all__ = ["capture_env", "probe_platform"]
 
-_log = logging.getLogger("offload.capture.env")
+_log = logger("offload.env")
 
 
 def probe_platform(read_text: ReadText, cuda: CudaProbe | None, *, torch_version: str = "") -> Platform:

@@ -3,11 +3,11 @@ container's, is not enough)."""
 
 from __future__ import annotations
 
-import logging
+from offload.logs import logger
 
 __all__ = ["BOOT_ID_PATH", "read_boot_id"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.env")
 
 #: Where Linux says which boot this is.
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"

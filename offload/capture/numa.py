@@ -17,6 +17,7 @@ from typing import TypeVar
 import attrs
 import torch
 
+from offload.logs import logger
 from offload.pure.env.numa import (
     NumaTopology,
     format_node_list,
@@ -29,7 +30,7 @@ from offload.pure.env.snapshot import Platform
 
 __all__ = ["NODE_ONLINE", "PCI_NUMA_NODE", "probe_numa", "torch_gpu_bus_id", "with_numa_topology"]
 
-_log = logging.getLogger(__name__)
+_log = logger("offload.env")
 
 #: The online node list, relative to the sysfs root's parent (``/``).
 NODE_ONLINE = "sys/devices/system/node/online"

@@ -4,15 +4,15 @@ each unreadable value a safe assumption with a note."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
+from offload.logs import logger
 from offload.pure.env.procfs import is_wsl_release, parse_meminfo, parse_memlock_limit
 
 __all__ = ["LIMITS_PATH", "MAPS_PATH", "MEMINFO_PATH", "OSRELEASE_PATH", "VERSION_PATH", "ReadText",
            "probe_meminfo", "probe_memlock", "probe_wsl", "read_proc_text"]
 
-_log = logging.getLogger("offload.capture.env")
+_log = logger("offload.env")
 
 #: Reads a whole text file by path; None when it cannot be read.
 ReadText = Callable[[str], str | None]

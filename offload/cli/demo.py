@@ -10,7 +10,6 @@ result says so.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from torch import nn
 from offload.cli._shared import UserError, capture
 from offload.create import create_offloader
 from offload.errors import ConfigError, ExecutionError, OffloadError
+from offload.logs import logger
 from offload.model.describe import describe_layers
 from offload.pure.check import LiveCheck
 from offload.pure.config import OffloadConfig
@@ -35,7 +35,7 @@ from offload.pure.units import format_bytes
 
 __all__ = ["DEMO_LIMITS", "DemoBlock", "DemoResult", "build_demo_model", "demo_memory_bytes", "run_demo"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.demo")
 
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 BackendChoice = Literal["prefetch", "uva"]

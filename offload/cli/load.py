@@ -16,6 +16,7 @@ from offload.cli.parser import (
     gib_bytes,
 )
 from offload.errors import ExecutionError, OffloadError
+from offload.logs import logger
 from offload.pure.config import OffloadConfig
 from offload.pure.fit.profiles import (
     profile_by_name,
@@ -192,7 +193,7 @@ class _ProgressScope:
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._handler.addFilter(lambda record: record.levelno < logging.WARNING)
         self._warnings = _WarningLine(self._handler, stream)
-        self._log = logging.getLogger("offload.load")
+        self._log = logger("offload.load")
         self._saved = (self._log.level, self._log.propagate)
 
     def __enter__(self) -> None:

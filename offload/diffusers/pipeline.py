@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +10,7 @@ from torch import nn
 from offload.errors import ConfigError, PlanError
 from offload.hf.layers import find_stacks
 from offload.hf.model import ModelOffloader, offload_stacks
+from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
@@ -19,7 +19,7 @@ from offload.pure.fit.profiles import DeviceProfile
 
 __all__ = ["offload_pipeline", "pipeline_components"]
 
-log = logging.getLogger("offload.diffusers")
+log = logger("offload.plan")
 
 
 class _Components(nn.Module):

@@ -20,7 +20,6 @@ the weight), and not counted as host memory (`HostStore.nbytes`).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,13 +29,14 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.executors.common import Ref
+from offload.logs import logger
 from offload.pure.disk.tier import DiskParam, DiskSource, DiskTierPlan
 from offload.runtime.diskio import Source
 from offload.runtime.spill import SpillFile, map_file, read_exact
 
 __all__ = ["DiskHost"]
 
-log = logging.getLogger("offload.executors.disk")
+log = logger("offload.disk")
 
 #: Spilled bytes written back to disk (and dropped from the page cache) at least this often.
 FLUSH_BYTES = 256 << 20

@@ -19,20 +19,20 @@ is released and the data gets a copy of its own (the block's memory stays, count
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Protocol, final
 
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 from offload.protocols import HostBlocks, Runtime
 from offload.pure.decide.moves import Move
 from offload.pure.decide.pinning import PinMethod
 
 __all__ = ["HostSource", "HostStore", "Ref"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.host")
 
 #: (layer index, parameter name relative to the layer).
 Ref = tuple[int, str]

@@ -53,7 +53,6 @@ implementations do nothing: they return nothing and change no metadata.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -62,6 +61,7 @@ from typing import Protocol
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 
 __all__ = [
     "OPS_TAGS",
@@ -80,7 +80,7 @@ __all__ = [
     "wait_prefetch",
 ]
 
-log = logging.getLogger(__name__)
+log = logger("offload.compile")
 
 #: `start_prefetch`'s ``target`` when the schedule names no copy after the layer.
 NO_LAYER = -1

@@ -30,7 +30,6 @@ and tells the executor its buffers must follow.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, final
 
@@ -43,6 +42,7 @@ from offload.executors.common import find_parameter, host_owner, raise_as_execut
 from offload.executors.hoststore import HostStore
 from offload.executors.lifecycle import Lifecycle, require
 from offload.executors.placement.progress import Progress
+from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
@@ -50,7 +50,7 @@ from offload.pure.units import format_bytes
 __all__ = ["Loaded", "Weights", "begin_load", "log_loaded", "refuse_read_only", "route_state_dict_loads",
            "write_weights"]
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 #: What `load_weights` takes: a mapping of names to tensors (a state dict) or an
 #: iterable of (name, tensor) pairs (a checkpoint read one tensor at a time).

@@ -12,7 +12,6 @@ threads; `ready` is where the Python thread waits for them.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import final
@@ -21,13 +20,14 @@ import torch
 
 from offload.errors import ExecutionError
 from offload.executors.common import Ref, torch_dtype
+from offload.logs import logger
 from offload.pure.disk.tier import DiskTierPlan, next_occupants, staging_layout
 from offload.pure.spec.values import ParamSpec
 from offload.runtime.diskio import DiskReader, ReadHandle, Source
 
 __all__ = ["StagingRing"]
 
-log = logging.getLogger("offload.executors.staging")
+log = logger("offload.disk")
 
 
 @final

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Callable
 from typing import final
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 from offload.pure.stats import OffloadStats, render_stats_line
 
 __all__ = ["StepLog"]
 
-log = logging.getLogger("offload.pure.stats")
+log = logger("offload.stats")
 
 
 def _positive_int(value: object) -> bool:

@@ -12,7 +12,6 @@ names do not tell (`offload.pure.spec.stacks.match_stack_order`).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,11 @@ import torch
 from offload.errors import CheckpointError, PlanError
 from offload.hf.layers import find_stacks
 from offload.hf.pretrained import saved_class
+from offload.logs import logger
 
 __all__ = ["BufferNames", "checkpoint_buffers"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.plan")
 
 
 @attrs.frozen(kw_only=True)

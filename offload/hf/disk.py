@@ -5,7 +5,6 @@ otherwise."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ import attrs
 from torch import nn
 
 from offload.errors import ConfigError
+from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS, DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot
@@ -21,7 +21,7 @@ from offload.pure.units import format_bytes
 
 __all__ = ["DiskRequest", "disk_request", "plan_model_disk"]
 
-log = logging.getLogger("offload.hf")
+log = logger("offload.plan")
 
 
 @attrs.frozen(kw_only=True)

@@ -10,7 +10,6 @@ one tensor at a time when the model is wrapped, and given back where it was by
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.hf.disk import DiskRequest, disk_request, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.offloader import ModelOffloader, Slot, outside_bytes, outside_tensors
+from offload.logs import logger
 from offload.model.describe import describe_stacks, storage_key
 from offload.model.wrappers import inner_tensors, is_wrapper
 from offload.protocols import Runtime
@@ -37,7 +37,7 @@ from offload.pure.units import format_bytes
 
 __all__ = ["DEFAULT_PROFILE", "ModelOffloader", "offload_model", "offload_stacks", "outside_tensors", "plan_model"]
 
-log = logging.getLogger("offload.hf")
+log = logger("offload.plan")
 
 #: The profile `fit` uses when none is given and the device's name matches none.
 DEFAULT_PROFILE = "h200-pcie5"

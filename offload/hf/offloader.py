@@ -6,7 +6,6 @@ wrapped, and back where it was on `restore`. Made by `offload_model` (`offload.h
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import final
 
@@ -15,6 +14,7 @@ from torch import nn
 
 from offload.errors import PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
+from offload.logs import logger
 from offload.model.describe import storage_key
 from offload.model.wrappers import inner_tensors
 from offload.protocols import Offloader, Runtime
@@ -26,7 +26,7 @@ from offload.pure.units import format_bytes
 
 __all__ = ["ModelOffloader", "Slot", "outside_bytes", "outside_tensors"]
 
-log = logging.getLogger("offload.hf")
+log = logger("offload.load")
 
 
 #: Where a tensor outside the layers sits: (module, attribute name, is it a parameter).

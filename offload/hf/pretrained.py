@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 from offload.errors import CheckpointError, ConfigError
 from offload.hf.disk import DiskRequest, disk_request
 from offload.hf.model import ModelOffloader, offload_model
+from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_on_host", "model_class_named", "offload_pretrained", "saved_class"]
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 #: How many key names an error about unloaded weights shows, of each kind.
 _KEYS_SHOWN = 3

@@ -26,7 +26,6 @@ the first weight; load those without a host budget.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,6 +42,7 @@ from offload.hf.disk import DiskRequest, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.model import plan_model
 from offload.hf.offloader import ModelOffloader, outside_bytes, outside_tensors
+from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
 from offload.model.describe import describe_stacks
 from offload.protocols import Runtime
@@ -58,7 +58,7 @@ from offload.runtime.spill import read_exact
 
 __all__ = ["load_streamed", "params_on_meta"]
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 
 @contextlib.contextmanager

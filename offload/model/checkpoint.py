@@ -21,7 +21,6 @@ shown as they are when printable, else as their ``repr``, so every message is on
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import stat
 import struct
@@ -33,6 +32,7 @@ from typing import NoReturn
 import attrs
 
 from offload.errors import CheckpointError
+from offload.logs import logger
 from offload.pure.spec.extents import DiskExtent, FileIdentity, extent_of
 from offload.pure.spec.safetensors import (
     SHARD_SUFFIX,
@@ -67,7 +67,7 @@ INDEX_SUFFIX = ".safetensors.index.json"
 _SUFFIX = SHARD_SUFFIX
 _LENGTH = struct.Struct("<Q")
 
-logger = logging.getLogger("offload.model.checkpoint")
+log = logger("offload.load")
 
 #: (the shards to read, the index path and its weight map when there is one)
 _Layout = tuple[tuple[Path, ...], Path | None, Mapping[str, str] | None]
@@ -133,7 +133,7 @@ def _indexed(index: Path, present: list[Path]) -> _Layout:
         files.append(shard)
     unnamed = [path.name for path in present if path.name not in set(names)]
     if unnamed:
-        logger.warning("%s: %d .safetensors files the index does not name are not read: %s",
+        log.warning("%s: %d .safetensors files the index does not name are not read: %s",
                        _shown(index), len(unnamed), ", ".join(printable(name) for name in unnamed))
     return tuple(files), index, weight_map
 
@@ -241,7 +241,7 @@ def _read_header(file_path: Path) -> tuple[tuple[TensorHeader, ...], int, FileId
         _os_error(file_path, error)
     data_bytes = file_bytes - _LENGTH.size - header_bytes
     tensors = parse_safetensors_header(header, source=_shown(file_path), data_bytes=data_bytes)
-    logger.debug("%s: %d tensors, header %d bytes, data %d bytes", file_path, len(tensors), header_bytes, data_bytes)
+    log.debug("%s: %d tensors, header %d bytes, data %d bytes", file_path, len(tensors), header_bytes, data_bytes)
     return tensors, header_bytes, _identity(file_path, info)
 
 
@@ -344,7 +344,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, buffers: Collection[str] = 
     """
     found = checkpoint_extents(path)
     result = spec_from_tensors(list(found.tensors.values()), buffers=buffers, running=running)
-    logger.debug("%s: %d files, %d layers, %d tensors outside layers, %d buffers (stacks: %s)",
+    log.debug("%s: %d files, %d layers, %d tensors outside layers, %d buffers (stacks: %s)",
                  _shown(os.fspath(path)), len(found.files), len(result.spec.layers), len(result.outside_layers),
                  len(result.buffers), ", ".join(stack.name for stack in result.stacks))
     return result

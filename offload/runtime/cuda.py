@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import functools
 import importlib.util
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any, final
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 from offload.pure.decide.pinning import PinMethod
 from offload.runtime.copies import span_chunks
 from offload.runtime.cpu import host_empty_like
@@ -45,7 +45,7 @@ __all__ = ["CudaRuntime", "zero_copy_view"]
 #: Bracketed waits kept before the finished ones are added up (bounds the list).
 _FOLD_AT = 256
 
-log = logging.getLogger(__name__)
+log = logger("offload.host")
 
 # __cuda_array_interface__ type strings by item size: an integer type of the same width,
 # reinterpreted as the real dtype afterwards (bfloat16 and float8 have no type string).

@@ -13,7 +13,6 @@ so that a fallback stays a fallback.
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 from collections.abc import Callable
 
@@ -22,11 +21,12 @@ import torch
 
 from offload.capture.device import ProbeError, open_libcudart
 from offload.capture.proc import MAPS_PATH
+from offload.logs import logger
 from offload.runtime.hostmem import Alloc, Free, HostRegisterError, Register, Unregister
 
 __all__ = ["HOST_ALLOC_FLAGS", "HostCalls", "copy_stream", "host_calls", "relax_capture_mode"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.host")
 
 #: cudaHostAllocPortable | cudaHostAllocMapped: usable from every device, at the host
 #: address (under unified addressing, whatever the flags, unless write-combined).

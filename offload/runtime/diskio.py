@@ -15,7 +15,6 @@ import ctypes
 import enum
 import errno
 import fcntl
-import logging
 import mmap
 import os
 import threading
@@ -29,11 +28,12 @@ import attrs
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 
 __all__ = ["BLOCK_BYTES", "CHUNK_BYTES", "THREADS", "Destination", "DiskReadStats", "DiskReader", "FileOps",
            "ReadHandle", "ReadMode", "Source"]
 
-log = logging.getLogger("offload.runtime.diskio")
+log = logger("offload.disk")
 
 #: The alignment of ``O_DIRECT`` reads, in bytes: a multiple of every logical block size in use.
 BLOCK_BYTES = 4096

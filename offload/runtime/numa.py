@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import platform
 import threading
 from collections.abc import Callable, Sequence
 from typing import final
+
+from offload.logs import logger
 
 __all__ = [
     "MPOL_BIND",
@@ -31,7 +32,7 @@ __all__ = [
     "node_mask",
 ]
 
-log = logging.getLogger(__name__)
+log = logger("offload.host")
 
 # Memory policy modes (linux/mempolicy.h).
 MPOL_PREFERRED = 1

@@ -12,7 +12,6 @@ buffer aligned like the file goes straight in.
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import os
 import tempfile
@@ -23,10 +22,11 @@ from typing import final
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 
 __all__ = ["SpillFile", "map_file", "read_exact"]
 
-log = logging.getLogger("offload.runtime.spill")
+log = logger("offload.disk")
 
 #: Where each tensor starts: a multiple of this many bytes (the ``O_DIRECT`` block).
 ALIGN_BYTES = 4096

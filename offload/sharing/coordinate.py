@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +29,7 @@ from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from offload.capture.host import read_boot_id
 from offload.errors import ConfigError, ExecutionError
+from offload.logs import logger
 from offload.pure.units import ranks_text
 from offload.sharing.segment import SHM_DIR, shm_identity
 
@@ -43,7 +43,7 @@ __all__ = [
     "membership_of",
 ]
 
-log = logging.getLogger(__name__)
+log = logger("offload.sharing")
 
 #: Seconds one member waits for another at one step by default. The longest step is a
 #: follower waiting for the leader to write every offloaded weight (at device-to-host

@@ -17,7 +17,6 @@ process group's own timeout. What happens next, per host, is `SharedOffloader`'s
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 from collections.abc import Sequence
@@ -53,11 +52,12 @@ from offload.sharing.verdicts import Verdicts
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+from offload.logs import logger
 from offload.sharing.offloader import SharedOffloader
 
 __all__ = ["share_offloader"]
 
-log = logging.getLogger("offload.sharing.offloader")
+log = logger("offload.sharing")
 
 
 def share_offloader(plan: OffloadPlan, runtime: Runtime, share_with: dist.ProcessGroup | ShareWith, *,

@@ -40,7 +40,6 @@ follower's model is untouched until the leader's copy is complete and every verd
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from typing import final
@@ -52,6 +51,7 @@ from torch import nn
 from offload.errors import ExecutionError
 from offload.executors.placement.unpack import has_wrappers
 from offload.executors.reload import Weights
+from offload.logs import logger
 from offload.pure.check import LiveCheck
 from offload.pure.sharing.admission import refusal_text
 from offload.pure.sharing.memory import HostMemory
@@ -61,7 +61,7 @@ from offload.sharing.wrapping import SharedWrap
 
 __all__ = ["SharedOffloader"]
 
-log = logging.getLogger("offload.sharing.offloader")
+log = logger("offload.sharing")
 
 
 def _private_copy(data: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,12 @@ so tests can play and fail them.
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Callable
 
 import attrs
 import torch
 
+from offload.logs import logger
 from offload.runtime.hostmem import PIECE_BYTES, HostRegisterError, Unregister
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
     "unregister_pieces",
 ]
 
-log = logging.getLogger(__name__)
+log = logger("offload.sharing")
 
 #: cudaHostRegisterDefault: what `offload.runtime.cudart` registers with (the leader's
 #: read-write mapping).

@@ -27,7 +27,6 @@ that such a buffer is not writable; the warning is expected here and silenced.
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import os
 import uuid
@@ -37,6 +36,7 @@ from typing import final
 import torch
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 from offload.pure.units import format_bytes
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
     "unlink_segment",
 ]
 
-log = logging.getLogger(__name__)
+log = logger("offload.sharing")
 
 #: Every segment's name starts with this (``offload-<32 hex digits>``), so that one left
 #: behind is recognisable.

@@ -19,7 +19,6 @@ or dtype) the source answers None and the store makes a private copy, as without
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import final
 
@@ -29,6 +28,7 @@ from torch import nn
 from offload.errors import ExecutionError
 from offload.executors.common import find_parameter, torch_dtype
 from offload.executors.hoststore import Ref
+from offload.logs import logger
 from offload.protocols import RegisteredRanges
 from offload.pure.decide.pinning import PinMethod
 from offload.pure.plan.plan import OffloadPlan
@@ -46,7 +46,7 @@ from offload.sharing.segment import SegmentMapping
 
 __all__ = ["SAMPLE_PER_DIM", "SharedHostSource", "same_sample", "slot_moves"]
 
-log = logging.getLogger(__name__)
+log = logger("offload.sharing")
 
 #: Elements compared per dimension when a follower checks its weight against the slot
 #: (evenly spaced, first and last included): at most 4**ndim elements per weight.

@@ -6,7 +6,6 @@ its loader filled at their written slots (see `offload.sharing.offloader`)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from offload.errors import ExecutionError
+from offload.logs import logger
 from offload.pure.units import format_bytes, ranks_text
 from offload.sharing.coordinate import Channel
 from offload.sharing.members import SharedMember, SharingTimes
@@ -30,7 +30,7 @@ from offload.sharing.source import SharedHostSource, slot_moves
 
 __all__ = ["SharedWrap"]
 
-log = logging.getLogger("offload.sharing.offloader")
+log = logger("offload.sharing")
 
 
 class SharedWrap(SharedMember):

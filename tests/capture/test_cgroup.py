@@ -194,7 +194,7 @@ def test_an_unreadable_limit_is_skipped_with_a_note(tmp_path: Path) -> None:
 
 
 def test_with_cgroup_memory_adds_the_limit_and_logs_notes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.capture.cgroup")
+    caplog.set_level(logging.DEBUG, logger="offload.env")
     platform = Platform(probe_notes=("earlier note",))
     done = with_cgroup_memory(platform, root=tmp_path)  # an empty tree
     assert done.cgroup_memory == CgroupMemory()

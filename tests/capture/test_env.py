@@ -156,7 +156,7 @@ def test_integrated_gpu_is_reported() -> None:
 
 
 def test_unreadable_attributes_are_assumed_zero_with_one_note_per_reason(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.capture")
+    caplog.set_level(logging.DEBUG, logger="offload.env")
     no_cudart = FakeCuda(info=H200_INFO, attributes={})
     platform = probe_platform(proc(), no_cudart)
     assert platform.has_cuda
@@ -280,7 +280,7 @@ def test_meminfo_without_memavailable_leaves_it_unknown() -> None:
 
 
 def test_no_proc_and_no_cuda_gives_defaults_and_notes(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.capture")
+    caplog.set_level(logging.DEBUG, logger="offload.env")
     no_files: dict[str, str] = {}
     platform = probe_platform(no_files.get, None, torch_version="2.13.0+cpu")
     assert attrs.evolve(platform, probe_notes=()) == Platform(torch_version="2.13.0+cpu")

@@ -98,7 +98,7 @@ def test_with_numa_topology_asks_for_the_bus_id_only_with_cuda(tmp_path: Path) -
 
 def test_with_numa_topology_keeps_earlier_notes_and_logs_its_own(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="offload.capture.numa")
+    caplog.set_level(logging.DEBUG, logger="offload.env")
 
     def broken() -> str:
         raise RuntimeError("no device properties")

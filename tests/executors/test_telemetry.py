@@ -127,12 +127,12 @@ def test_render_stats_shows_each_figure_and_the_ratio_to_the_link() -> None:
 def test_log_stats_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
     model, _, _, off = _ready(3)
     off.log_stats_every(steps=2)
-    with caplog.at_level(logging.INFO, logger="offload.pure.stats"):
+    with caplog.at_level(logging.INFO, logger="offload.stats"):
         for x in inputs(seed=5, shapes=_shapes(FORWARDS)):
             model(x)
         off.log_stats_every()  # off again
         model(next(inputs(seed=6, shapes=_shapes(1))))
-    lines = [r.getMessage() for r in caplog.records if r.name == "offload.pure.stats"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
     assert [line.split(",")[0] for line in lines] == ["offload: step 2", "offload: step 4"]
     off.restore()
 
@@ -148,10 +148,10 @@ def test_each_stats_line_reports_finished_steps_on_demand(caplog: pytest.LogCapt
     off.post_init()
     _, nbytes = copies_per_forward(plan)
     off.log_stats_every(steps=1)
-    with caplog.at_level(logging.INFO, logger="offload.pure.stats"):
+    with caplog.at_level(logging.INFO, logger="offload.stats"):
         for x in inputs(seed=7, shapes=_shapes(3)):
             model(x)
-    lines = [r.getMessage() for r in caplog.records if r.name == "offload.pure.stats"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
     per_step = f"{nbytes / 2**20:.3f} MiB copied per step"  # the test models are small
     assert [line.split(", ")[:2] for line in lines] == [[f"offload: step {n}", per_step] for n in (1, 2, 3)]
     off.restore()
@@ -162,10 +162,10 @@ def test_each_stats_line_reports_finished_steps_prefetch(caplog: pytest.LogCaptu
     about the steps finished then."""
     model, plan, _, off = _ready(4)
     off.log_stats_every(steps=1)
-    with caplog.at_level(logging.INFO, logger="offload.pure.stats"):
+    with caplog.at_level(logging.INFO, logger="offload.stats"):
         for x in inputs(seed=8, shapes=_shapes(4)):
             model(x)
-    lines = [r.getMessage() for r in caplog.records if r.name == "offload.pure.stats"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload.stats"]
     assert [line.split(",")[0] for line in lines] == ["offload: step 1", "offload: step 2", "offload: step 3"]
     # By the end of step k, the first copies (post_init's) and each step's copies were
     # issued: the line's figure is that total over k steps.

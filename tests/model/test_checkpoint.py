@@ -176,9 +176,9 @@ def _bytes_read(io: Path) -> int | None:
 
 
 def test_per_file_progress_is_logged_at_debug(two_shards: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="offload.model.checkpoint"):
+    with caplog.at_level(logging.DEBUG, logger="offload.load"):
         read_checkpoint(two_shards)
-    messages = [r.getMessage() for r in caplog.records if r.name == "offload.model.checkpoint"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "offload.load"]
     assert {r.levelno for r in caplog.records} == {logging.DEBUG}
     assert any("model-00001-of-00002.safetensors: 7 tensors" in m for m in messages)
     assert any("model-00002-of-00002.safetensors: 6 tensors" in m for m in messages)
@@ -373,7 +373,7 @@ def test_the_index_decides_which_shards_are_read(two_shards: Path, caplog: pytes
     assert checkpoint_files(two_shards) == (two_shards / "model-00001-of-00002.safetensors",
                                             two_shards / "model-00002-of-00002.safetensors")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="offload.model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="offload.load"):
         result = read_checkpoint(two_shards)
     assert len(result.spec.layers) == 3
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -50,7 +50,7 @@ def test_registered_host_memory_is_placed_on_node_0_before_its_first_touch(
 ) -> None:
     if not NUMA_MAPS.exists():
         pytest.skip("/proc/self/numa_maps is absent (a kernel without NUMA support)")
-    caplog.set_level(logging.DEBUG, logger="offload.runtime.numa")
+    caplog.set_level(logging.DEBUG, logger="offload.host")
     placer = HostPlacer(0)
     cudart = FakeCudart()  # registration is faked; the mapping and the mbind are real
     elements = 64 * mmap.PAGESIZE // 4

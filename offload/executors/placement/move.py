@@ -4,7 +4,6 @@ anything fails."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
@@ -16,13 +15,14 @@ from offload.executors.common import Ref, host_of, torch_dtype
 from offload.executors.hoststore import HostStore
 from offload.executors.placement.find import Found, ViewGroup, find_moves, view_groups
 from offload.executors.placement.progress import Progress, tensor_bytes
+from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.decide.admission import HostAdmission, HostFit
 from offload.pure.decide.moves import Move, WhereKind, restore_target
 from offload.pure.plan.blocks import host_blocks
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 _HOST = torch.device("cpu")
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import final
 
 import torch
 
+from offload.logs import logger
 from offload.pure.units import format_bytes
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """The bytes of `tensor`'s elements (not of its whole storage)."""

@@ -4,7 +4,6 @@ shows host copies rather than shared slots."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, final
 
@@ -17,10 +16,11 @@ from offload.executors.hoststore import HostStore
 from offload.executors.placement.find import ViewGroup
 from offload.executors.placement.progress import Progress, tensor_bytes
 from offload.executors.placement.unpack import Unpacked
+from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 
-log = logging.getLogger("offload.load")
+log = logger("offload.load")
 
 _HOST = torch.device("cpu")
 

@@ -27,7 +27,6 @@ While unpacked:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -38,11 +37,12 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.errors import ExecutionError, PlanError
 from offload.executors.conversions import same_memory
+from offload.logs import logger
 from offload.model.wrappers import PARAMETRIZATIONS, inner_names, inner_tensors, is_wrapper
 
 __all__ = ["Unpacked", "has_wrappers", "unpack"]
 
-log = logging.getLogger("offload.executors.placement")
+log = logger("offload.load")
 
 
 @final

@@ -5,7 +5,6 @@ are the `DiskTierPlan`'s."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import final
@@ -20,6 +19,7 @@ from offload.executors.common import Ref, find_parameter
 from offload.executors.diskhost import DiskHost
 from offload.executors.hoststore import HostStore
 from offload.executors.staging import StagingRing
+from offload.logs import logger
 from offload.model.checkpoint import changed_files
 from offload.protocols import Event, HostWaits, Runtime
 from offload.pure.check import FileCheck
@@ -30,7 +30,7 @@ from offload.runtime.spill import SpillFile
 
 __all__ = ["DiskIO", "DiskStream"]
 
-log = logging.getLogger("offload.executors.prefetch")
+log = logger("offload.disk")
 
 
 def _check_tier(plan: OffloadPlan, tier: DiskTierPlan, when: str) -> None:

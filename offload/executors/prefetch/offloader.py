@@ -10,7 +10,6 @@ injected `Runtime`.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from typing import final
 
@@ -49,6 +48,7 @@ from offload.executors.placement.unpack import unpack
 from offload.executors.prefetch.buffers import allocate_arenas, merge_copies, prepare_copies
 from offload.executors.prefetch.weights import NewWeights
 from offload.executors.reload import route_state_dict_loads
+from offload.logs import logger
 from offload.model.describe import storage_key
 from offload.pure.check import LiveCheck
 from offload.pure.disk.tier import DiskTierPlan
@@ -59,7 +59,7 @@ from offload.pure.spec.values import ParamSpec
 
 __all__ = ["PrefetchOffloader"]
 
-log = logging.getLogger("offload.executors.prefetch")
+log = logger("offload.prefetch")
 
 
 @final

@@ -6,7 +6,6 @@ Note [realign], Note [compiled then eager]."""
 
 from __future__ import annotations
 
-import logging
 from typing import NoReturn
 
 from offload.errors import ExecutionError
@@ -14,11 +13,12 @@ from offload.executors.bound import compile_check, first_changed
 from offload.executors.common import raise_as_execution_error
 from offload.executors.lifecycle import Lifecycle, refuse, require
 from offload.executors.prefetch.state import PrefetchState
+from offload.logs import logger
 from offload.protocols import Event
 
 __all__ = ["CopyQueue"]
 
-log = logging.getLogger("offload.executors.prefetch")
+log = logger("offload.prefetch")
 
 
 class CopyQueue(PrefetchState):

@@ -4,7 +4,6 @@ docstring)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import final
 
@@ -36,12 +35,13 @@ from offload.executors.placement.restore import (
 from offload.executors.placement.unpack import unpack
 from offload.executors.reload import Weights, begin_load, log_loaded, write_weights
 from offload.executors.uva.forward import OnDemand
+from offload.logs import logger
 from offload.pure.check import LiveCheck
 from offload.pure.plan.revise import revise_plan
 
 __all__ = ["UVAOffloader"]
 
-log = logging.getLogger("offload.executors.uva")
+log = logger("offload.uva")
 
 
 @final
