@@ -9,7 +9,7 @@ Sides, ``--repeat`` runs each, interleaved (the order turns every repeat), each 
 the files were evicted from the page cache (fsync, then ``POSIX_FADV_DONTNEED`` on each
 whole file: best effort, the kernel may keep pages it cannot drop):
 
-- ``plain``: the reference of issue 23: one thread, ``O_DIRECT``, ``preadv`` of the files'
+- ``plain``: the reference reader: one thread, ``O_DIRECT``, ``preadv`` of the files'
   consecutive 16 MiB pieces into one page-aligned 16 MiB buffer, file after file;
 - ``plain-dest``: the same reads, into consecutive 16 MiB of the memory ``ours`` fills:
   the same reader with the same destination memory as ours (on a virtual machine the

@@ -73,3 +73,19 @@ def test_every_module_over_the_mark_is_named_with_its_reason() -> None:
             if len(path.read_text(encoding="utf-8").splitlines()) > MODULE_LINES}
     assert long - explained == set(), "modules over 400 lines that docs/architecture.md does not explain"
     assert explained - long == set(), "modules docs/architecture.md explains that are not over 400 lines"
+
+
+#: How a file would cite our tracker instead of saying what it means: "issue 23", "issue #23",
+#: "the issue's reference" (other projects' issues, cited as owner/repo#N, are references).
+ISSUE_CITATION = re.compile(r"\b[Ii]ssues? #?\d+|\b[Tt]he issue's\b")
+
+
+def test_no_file_names_an_issue_of_ours() -> None:
+    # The tracker is not part of the repository: a reader of the code cannot follow "issue 23".
+    paths = [*DOCS, *sorted((ROOT / "offload").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+             *sorted((ROOT / "benchmarks").rglob("*.py")), *sorted((ROOT / "scripts").glob("*")), ROOT / "CHANGELOG.md"]
+    me = Path(__file__).resolve()
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in paths if path.is_file() and path != me
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+             if ISSUE_CITATION.search(line)]
+    assert found == []

@@ -19,7 +19,7 @@ from tests.executors.helpers import cpu_plan, pinned_plan
 from tests.executors.models import TransformerBlock, bits, layer_list, transformer_model
 from tests.executors.uva_helpers import cpu_on_demand_plan, on_demand_plan, view_plan
 
-#: The issue's configuration: six layers, every second one offloaded, one slot for all of
+#: A configuration where a slot is shared: six layers, every second one offloaded, one slot for all of
 #: them (layers 1, 3 and 5 share it), so a slot holds whichever ran last.
 SHARED_SLOT = OffloadConfig(group_size=2, num_in_group=1, prefetch_step=1)
 EVERY_LAYER = OffloadConfig(group_size=1, prefetch_step=1)

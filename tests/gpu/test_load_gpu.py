@@ -232,7 +232,7 @@ def assert_weights(model: nn.Module, weights: dict[str, torch.Tensor], on_device
 
 
 def test_a_host_model_larger_than_the_allowed_device_memory(world: World, capsys: pytest.CaptureFixture[str]) -> None:
-    """The issue's H200 check without transformers: from host memory, pinning on, the
+    """A model larger than the allowed device memory, without transformers: from host memory, pinning on, the
     device limited below the model."""
     model = host_model(world.weights)
     layers = layer_list(model)

@@ -289,7 +289,7 @@ def test_outside_bytes_weigh_like_a_reserve(spec: ModelSpec, env: EnvSnapshot, t
 
 
 def test_llama_70b_in_40_gib_on_an_h200() -> None:
-    """The issue's example: llama-70b (127.5 GiB of bf16 weights) in 40 GiB, 1 token. The
+    """A user's case: llama-70b (127.5 GiB of bf16 weights) in 40 GiB, 1 token. The
     plan is made for an H200 although this machine has no GPU, and it frees device memory;
     at 1 token the link decides, so the step is within 1% of the offloaded bytes / 55.4 GB/s."""
     from offload.pure import preset_spec

@@ -1,7 +1,7 @@
 """`make_plan`: selection rules, ties, warnings, invariants and JSON.
 
 Known cases are tables; the invariants are hypothesis properties checked against small
-oracles written here from the issue's rules (which parameters may leave the compute
+oracles written here from the planner's rules (which parameters may leave the compute
 device, which layers prefetch takes, how the UVA budget is spent), not from the code.
 """
 
@@ -439,7 +439,7 @@ def test_host_memory_short_names_both_sizes() -> None:
 
 # ============================================================================ properties
 #
-# Oracles: the issue's rules, restated.
+# Oracles: the planner's rules, restated.
 
 
 def on_compute_device(device: str, platform: Platform, keep_host: bool = False) -> bool:

@@ -137,7 +137,7 @@ def _add_buffer_bytes(document: Document, nbytes: int) -> None:
 
 
 def _layer_past_the_model(document: Document) -> None:
-    # The reproduction: an offloaded parameter of a layer past the model, not the last entry.
+    # A plan edited by hand: an offloaded parameter of a layer past the model, not the last entry.
     _params(document)[2]["layer"] = 99
 
 

@@ -1,6 +1,6 @@
 """`schedule_prefetch` and `check_schedule`, and an independent simulation of both.
 
-The simulation below is written from the issue's words, not from the checker: positions
+The simulation below is written from the schedule's rules as stated here, not from the checker: positions
 ``0..n-1`` run again and again; the ``initial`` positions are copied once at start;
 after position ``i`` runs, the copy of ``next_after[i]`` is issued into that position's
 slot, unless ``next_after[i]`` is the only position that uses its slot: such a position
