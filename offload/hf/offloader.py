@@ -6,17 +6,17 @@ wrapped, and back where it was on `restore`. Made by `offload_model` (`offload.h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import final
 
 import torch
 from torch import nn
 
-from offload.errors import PlanError
+from offload.errors import ExecutionError, PlanError
 from offload.executors.common import normal_tensors, raise_as_execution_error
 from offload.logs import logger
 from offload.model.describe import storage_key
-from offload.model.wrappers import inner_tensors
+from offload.model.wrappers import inner_tensors, is_wrapper
 from offload.protocols import Offloader, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.disk.tier import DiskTierPlan
@@ -186,6 +186,139 @@ class ModelOffloader:
     def post_init(self) -> None:
         """See `Offloader.post_init`."""
         self._inner.post_init()
+
+    @normal_tensors
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                     prefix: str = "", skip_read_only: bool = False) -> None:
+        """New weights for the whole model, without restoring it, named as the model's
+        ``state_dict()`` names them (``"model.layers.3.mlp.up_proj.weight"``,
+        ``"lm_head.weight"``): the layer stacks' weights go to the executor's
+        `load_weights` (offloaded ones into their host copies), every other parameter and
+        buffer is written in place on the device. A mapping is checked whole before
+        anything is written; pairs are checked and written one at a time.
+
+        Args:
+            weights: a mapping of names to tensors (a state dict), or (name, tensor) pairs.
+            prefix: what every name starts with, stripped first (``""``: the model's own names).
+            skip_read_only: as for `Offloader.load_weights`.
+
+        Raises:
+            ExecutionError: the model is not wrapped and ready; a name that is not one of
+                the model's parameters or buffers (or lacks `prefix`), a tensor of another
+                shape, or not a tensor; a quantised weight outside the layers (not written
+                in place); anything the executor's `load_weights` refuses. ``name`` is the
+                name as given.
+        """
+        paths = self._layer_paths()
+        outside = self._outside_by_name()
+        back: dict[str, str] = {}  # the executor's name -> the caller's
+
+        def route(name: object, tensor: object) -> tuple[str, torch.Tensor] | None:
+            """The executor's (name, tensor) for a layer weight; None for one outside (checked)."""
+            if not isinstance(name, str):
+                raise ExecutionError(f"load_weights: a name must be a str, got {name!r}", name=str(name), value=name)
+            if not name.startswith(prefix):
+                raise ExecutionError(f"load_weights: {name!r} does not start with the prefix {prefix!r}", name=name,
+                                     value=prefix)
+            own = name[len(prefix):]
+            for path, first in paths:
+                if own.startswith(path):
+                    index, _, rest = own[len(path):].partition(".")
+                    if index.isdigit() and rest:
+                        inner = f"{first + int(index)}.{rest}" if int(index) < self._stack_len(path) else own
+                        back[inner] = name
+                        return inner, tensor  # type: ignore[return-value]  # the executor checks the tensor
+            slot = outside.get(own)
+            if slot is None:
+                raise ExecutionError(f"load_weights: {name!r} is not a parameter or buffer of the model (its layer "
+                                     f"stacks are {', '.join(p.rstrip('.') for p, _ in paths)})", name=name,
+                                     value=own)
+            self._outside_target(name, slot, tensor)
+            return None
+
+        try:
+            if isinstance(weights, Mapping):
+                routed = [(name, tensor, route(name, tensor)) for name, tensor in weights.items()]
+                self._inner.load_weights({pair[0]: pair[1] for _, _, pair in routed if pair is not None},
+                                         skip_read_only=skip_read_only)
+                for name, tensor, pair in routed:
+                    if pair is None:
+                        self._write_outside(outside[name[len(prefix):]], tensor)
+            else:
+                self._inner.load_weights(self._streamed(weights, route, outside, prefix),
+                                         skip_read_only=skip_read_only)
+        except ExecutionError as exc:
+            given = back.get(exc.name or "")
+            if given is None:
+                raise
+            raise ExecutionError(exc.message.replace(repr(exc.name), repr(given)), name=given,
+                                 value=exc.value) from exc
+
+    def _streamed(self, weights: Iterable[object],
+                  route: Callable[[object, object], tuple[str, torch.Tensor] | None],
+                  outside: Mapping[str, Slot], prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The executor's pairs of `weights`, one at a time; the weights outside the
+        layers are written as they come (after the executor's `load_weights` began)."""
+        for index, item in enumerate(weights):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise ExecutionError(f"load_weights takes a mapping or (name, tensor) pairs; item {index} is "
+                                     f"{type(item).__name__}", name=f"item {index}", value=type(item).__name__)
+            pair = route(item[0], item[1])
+            if pair is None:
+                self._write_outside(outside[item[0][len(prefix):]], item[1])
+            else:
+                yield pair
+
+    def _layer_paths(self) -> list[tuple[str, int]]:
+        """Each stack's path in the model with a trailing dot, and its first layer's index
+        in the executor's plan; longest path first (a stack inside a module named like another)."""
+        names = {id(module): name for name, module in self._model.named_modules()}
+        found: dict[str, int] = {}
+        for index, layer in enumerate(self._layers):
+            path, _, _ = names.get(id(layer), "").rpartition(".")
+            found.setdefault(f"{path}." if path else "", index)
+        return sorted(found.items(), key=lambda item: -len(item[0]))
+
+    def _stack_len(self, path: str) -> int:
+        stack = self._model.get_submodule(path.rstrip(".")) if path else self._model
+        return len(stack) if isinstance(stack, nn.ModuleList) else 0
+
+    def _outside_by_name(self) -> dict[str, Slot]:
+        """Every tensor outside the layers (and every buffer) by each of its names in the model."""
+        names: dict[int, list[str]] = {}
+        for name, module in self._model.named_modules(remove_duplicate=False):
+            names.setdefault(id(module), []).append(name)
+        found: dict[str, Slot] = {}
+        for slot, _ in outside_tensors(self._model, self._layers):
+            for path in names.get(id(slot[0]), []):
+                found[f"{path}.{slot[1]}" if path else slot[1]] = slot
+        return found
+
+    def _outside_target(self, name: str, slot: Slot, tensor: object) -> torch.Tensor:
+        """The tensor `slot` holds now, once `tensor` is found fit to be written into it."""
+        dest = self._get(slot)
+        if not isinstance(tensor, torch.Tensor):
+            raise ExecutionError(f"load_weights: {name!r} is a {type(tensor).__name__}, not a tensor", name=name,
+                                 value=type(tensor).__name__)
+        if dest is None:
+            raise ExecutionError(f"load_weights: {name!r} is None in the model", name=name, value=None)
+        if tensor.device.type == "meta":
+            raise ExecutionError(f"load_weights: {name!r} is on the meta device: it has no values to load", name=name,
+                                 value="meta")
+        if is_wrapper(dest):
+            raise ExecutionError(f"load_weights: {name!r} is a quantised weight ({type(dest).__qualname__}) outside "
+                                 "the layer stacks: it is not written in place; restore() the model to change it",
+                                 name=name, value=type(dest).__qualname__)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ExecutionError(f"load_weights: {name!r} is {tuple(tensor.shape)}, the model's is "
+                                 f"{tuple(dest.shape)}", name=name, value=tuple(tensor.shape))
+        return dest
+
+    def _write_outside(self, slot: Slot, tensor: torch.Tensor) -> None:
+        dest = self._get(slot)
+        if dest is not None:
+            with torch.no_grad():
+                dest.copy_(tensor)
 
     def sync_prev_onload(self) -> None:
         """See `Offloader.sync_prev_onload`."""
