@@ -6,20 +6,22 @@ otherwise."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 
 import attrs
 from torch import nn
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, PlanError
 from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
-from offload.pure.disk.tier import ASSUMED_DISK_GBPS, DiskTierPlan, plan_disk_tier
+from offload.pure.disk.tier import ASSUMED_DISK_GBPS, DiskSource, DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.units import format_bytes
 
-__all__ = ["DiskRequest", "disk_request", "plan_model_disk"]
+__all__ = ["DiskRequest", "check_spill_dir", "disk_request", "plan_model_disk", "spill_room"]
 
 log = logger("offload.plan")
 
@@ -50,8 +52,12 @@ def disk_request(host_budget_bytes: int | None, *, checkpoint: str | os.PathLike
     """The request the options make; None without a host budget.
 
     Raises:
-        ConfigError: a disk option without `host_budget_bytes`, naming it.
+        ConfigError: a disk option without `host_budget_bytes`, naming it; a `spill_dir`
+            that is not a directory this process can make files in (`check_spill_dir`),
+            whether or not the plan will spill.
     """
+    if spill_dir is not None:
+        check_spill_dir(spill_dir)
     if host_budget_bytes is None:
         given = next((name for name, value in (("checkpoint", checkpoint), ("spill_dir", spill_dir),
                                                ("disk_gbps", disk_gbps)) if value is not None), None)
@@ -63,8 +69,47 @@ def disk_request(host_budget_bytes: int | None, *, checkpoint: str | os.PathLike
                        disk_gbps=disk_gbps, read_ahead=read_ahead)
 
 
+def check_spill_dir(spill_dir: str | os.PathLike[str]) -> None:
+    """Refuse, naming the path, a spill directory that does not exist, is not a directory,
+    or in which this process cannot make a file (a read-only mount, no permission): found
+    by making one and removing it at once, since permission bits do not tell for root or
+    for a read-only filesystem.
+
+    Raises:
+        ConfigError: the directory cannot hold a spill file; ``name`` is ``spill_dir`` and
+            ``value`` the path.
+    """
+    path = os.fspath(spill_dir)
+    if not os.path.exists(path):
+        raise ConfigError(f"spill_dir {path!r} does not exist", name="spill_dir", value=path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"spill_dir {path!r} is not a directory", name="spill_dir", value=path)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=path)
+    except OSError as exc:
+        raise ConfigError(f"spill_dir {path!r}: cannot make a file there ({exc.strerror or exc})", name="spill_dir",
+                          value=path) from exc
+    os.close(fd)
+    os.unlink(probe)
+
+
+#: Bytes a spilled parameter may take in the spill file beyond its own: it starts on a block.
+_SPILL_ALIGN = 4096
+
+
+def spill_room(tier: DiskTierPlan) -> int:
+    """Bytes of disk the tier's spill file takes at most: each spilled parameter's bytes,
+    rounded up to the block it starts on."""
+    return sum(-(-p.nbytes // _SPILL_ALIGN) * _SPILL_ALIGN for p in tier.params if p.source is DiskSource.SPILL)
+
+
+def _free_bytes(path: str | os.PathLike[str]) -> int:
+    return shutil.disk_usage(path).free
+
+
 def plan_model_disk(model: nn.Module, layers: Sequence[nn.Module], plan: OffloadPlan, env: EnvSnapshot,
-                    request: DiskRequest) -> DiskTierPlan | None:
+                    request: DiskRequest, *,
+                    free_bytes: Callable[[str | os.PathLike[str]], int] = _free_bytes) -> DiskTierPlan | None:
     """The disk tier of `plan` for the request's host budget (`plan_disk_tier`), or None
     when the offloaded weights fit the budget in host memory.
 
@@ -74,9 +119,12 @@ def plan_model_disk(model: nn.Module, layers: Sequence[nn.Module], plan: Offload
         plan: the model's plan (prefetch).
         env: its snapshot (for the tier's host admission).
         request: the budget, the checkpoint, the disk's rate and the read-ahead.
+        free_bytes: the free bytes of a directory's filesystem (``shutil.disk_usage``;
+            tests pass their own).
 
     Raises:
-        PlanError: not a prefetch plan, or the budget cannot be met (`plan_disk_tier`).
+        PlanError: not a prefetch plan, or the budget cannot be met (`plan_disk_tier`);
+            the tier spills more than `request.spill_dir` has free, naming both.
         CheckpointError: the checkpoint cannot be read.
     """
     checkpoint, host_budget_bytes, disk_gbps = request.checkpoint, request.host_budget_bytes, request.disk_gbps
@@ -93,6 +141,14 @@ def plan_model_disk(model: nn.Module, layers: Sequence[nn.Module], plan: Offload
         log.info("host budget %s holds every offloaded weight (%s): no disk tier", format_bytes(host_budget_bytes),
                  format_bytes(plan.host_bytes))
         return None
+    need = spill_room(tier)
+    if need and request.spill_dir is not None:
+        free = free_bytes(request.spill_dir)
+        if free < need:
+            shown = os.fspath(request.spill_dir)
+            raise PlanError(f"spill_dir {shown!r} has {format_bytes(free)} free ({free} bytes); the disk tier spills "
+                            f"{format_bytes(need)} ({need} bytes) there: free {need - free} bytes, or choose another "
+                            "directory", name="spill_dir", value=shown)
     log.info("disk tier: %d of %d offloaded layers on disk (%s, %s spilled), %s in host memory with a staging ring "
              "of %s", len(tier.disk_positions), len(plan.offloaded_layers), format_bytes(tier.disk_bytes),
              format_bytes(tier.spill_bytes), format_bytes(tier.host_tier_bytes),
