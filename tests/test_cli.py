@@ -375,7 +375,8 @@ def test_fit_gib_with_custom_numbers(capsys: pytest.CaptureFixture[str]) -> None
 def test_plan_with_a_profile_prints_its_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", "llama-8b", "--group-size", "4", "--prefetch-step", "2", "--profile", "rtx4090", "--tokens", "512")
     assert code == 0
-    assert "estimate on rtx4090 at 512 tokens per step:" in out
+    assert "profile:  rtx4090 (" in out
+    assert "estimate on rtx4090, 512 tokens per step" in out
     assert "predicted step   =" in out
 
 

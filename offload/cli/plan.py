@@ -215,16 +215,22 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         return 0
     _print_model(source)
     print(f"profile:  {profile.name} ({profile.device_name})")
-    print(render_fit(result))
+    # With a disk tier the chosen plan runs with it: its host memory is the tier's.
+    print(render_fit(result if tier is None else attrs.evolve(result, plan=_with_tier_admission(result.plan, tier))))
     if tier is not None:
         from offload.pure.disk.estimate import estimate_with_tier
 
         plan = result.plan
         print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
-        print()
-        print(f"estimate of the chosen plan with the disk tier read at {tier.disk_gbps:g} GB/s:")
+        print()  # the estimate's own heading follows; the disk tier above says what it reads, at what rate
         print(render_estimate(estimate_with_tier(plan, tier, profile, Workload(tokens_per_step=args.tokens))))
     return 0
+
+
+def _with_tier_admission(plan: OffloadPlan, tier: DiskTierPlan) -> OffloadPlan:
+    """`plan` with the host admission it has when it runs with `tier` (the host tier and
+    the staging ring; the disk layers take no host memory), for printing."""
+    return attrs.evolve(plan, host_admission=tier.host_admission)
 
 
 def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
@@ -286,24 +292,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     _print_model(source)
     print(f"device:   {device}")
+    if profile is not None:
+        print(f"profile:  {profile.name} ({profile.device_name}){matched}")
     if is_default:
         print(
             "config:   default (prefetch, group size 4, 1 offloaded layer per group, depth 2); "
             "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
         )
-    print(render_plan(plan, per_param=args.params))
+    # With a disk tier the plan runs with it: its host memory is the tier's.
+    print(render_plan(plan if tier is None else _with_tier_admission(plan, tier), per_param=args.params))
     if tier is not None:
         print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
     if profile is not None:
-        print()
+        print()  # the estimate's own heading names the profile and the tokens per step
         workload = Workload(tokens_per_step=args.tokens)
         if tier is None:
-            print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step:")
             print(render_estimate(estimate(plan, profile, workload)))
         else:
             from offload.pure.disk.estimate import estimate_with_tier
 
-            print(f"estimate on {profile.name}{matched} at {args.tokens} tokens per step, with the disk tier read at "
-                  f"{tier.disk_gbps:g} GB/s:")
             print(render_estimate(estimate_with_tier(plan, tier, profile, workload)))
     return 0

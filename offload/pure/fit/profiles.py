@@ -296,12 +296,15 @@ def planning_env(env: EnvSnapshot, profile: DeviceProfile) -> EnvSnapshot:
     profile only supplies speeds). Without CUDA, `make_plan` would treat the CPU as the
     compute device and free no device memory, so the platform is replaced by a CUDA one
     built from the profile: its device name and memory, host mapping and registration
-    available, coherent unified memory when the profile says so. Host readings (memory,
-    memlock, WSL) are left unknown, because they describe this machine, not the target;
-    the user's switches (`env.flags`) are kept.
+    available, coherent unified memory when the profile says so. The host readings
+    (memory, the cgroup's limit, memlock, WSL) are kept: the profile names a device, and
+    the host the weights are offloaded to is this machine, as a plan without a profile
+    says (its NUMA topology is not: the GPU's node is the target's); the user's switches
+    (`env.flags`) are kept.
     """
     if env.platform.has_cuda:
         return env
+    host = env.platform
     platform = Platform(
         has_cuda=True,
         device_name=profile.device_name,
@@ -311,7 +314,12 @@ def planning_env(env: EnvSnapshot, profile: DeviceProfile) -> EnvSnapshot:
         host_pointer_for_registered_memory=True,
         pageable_memory_access=profile.coherent_unified_memory,
         pageable_uses_host_page_tables=profile.coherent_unified_memory,
-        torch_version=env.platform.torch_version,
+        is_wsl=host.is_wsl,
+        memlock_limit_bytes=host.memlock_limit_bytes,
+        host_total_bytes=host.host_total_bytes,
+        host_available_bytes=host.host_available_bytes,
+        cgroup_memory=host.cgroup_memory,
+        torch_version=host.torch_version,
         probe_notes=(f"planned for the {profile.name} profile: this machine has no CUDA device",),
     )
     return EnvSnapshot(flags=env.flags, platform=platform)
