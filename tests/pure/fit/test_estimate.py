@@ -386,7 +386,7 @@ def test_planning_env_describes_the_profiles_device_without_cuda() -> None:
     assert planned.platform.has_cuda
     assert planned.platform.device_total_bytes == gh200.device_memory_bytes
     assert planned.platform.is_coherent_unified_memory
-    assert planned.platform.host_available_bytes is None  # this machine's, not the target's
+    assert planned.platform.host_available_bytes == 1 << 30  # the host is this machine (the profile names a device)
     assert planning_env(ENV, gh200) is ENV
 
 
