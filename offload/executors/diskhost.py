@@ -4,9 +4,12 @@ A disk parameter (`offload.pure.disk.tier`) has no copy in host memory: the hot 
 it from its file into a staging buffer each pass (`offload.executors.staging`). What the
 cold paths read (restore, ``state_dict``, the live check, conversions) is its host copy in
 the `HostStore` as for any other offloaded weight; for a disk parameter that copy is a
-tensor over a private mapping of its file (`offload.runtime.spill.map_file`): reading it
+view over a private mapping of its file (`offload.runtime.spill.FileMap`): reading it
 reads the file, it takes no host memory until read, and this process never writes the
-file through it. So `DiskHost` is the store's `HostSource` for the disk parameters:
+file through it. Each file is mapped in few mappings (a checkpoint file whole, the spill
+file in segments), each copy a view with a storage of its own, and each file is open
+once here (a checkpoint file until post_init, the spill file's two fds until `close`):
+not an fd per tensor. So `DiskHost` is the store's `HostSource` for the disk parameters:
 
 - a parameter planned from the checkpoint (`DiskSource.CHECKPOINT`) is mapped where it
   lies, once its data is found to be the checkpoint's, byte for byte (a parameter whose
@@ -32,7 +35,7 @@ from offload.executors.common import Ref
 from offload.logs import logger
 from offload.pure.disk.tier import DiskParam, DiskSource, DiskTierPlan
 from offload.runtime.diskio import Source
-from offload.runtime.spill import SpillFile, map_file, read_exact
+from offload.runtime.spill import FileMap, SpillFile, read_exact
 
 __all__ = ["DiskHost"]
 
@@ -79,7 +82,8 @@ class DiskHost:
         self._make_spill = spill
         self._spill: SpillFile | None = None
         self._unflushed = 0
-        self._fds: dict[str, int] = {}  # checkpoint path -> fd open for mapping
+        self._fds: dict[str, int] = {}  # checkpoint path -> fd open for reading and mapping
+        self._maps: dict[str, tuple[FileMap, int]] = {}  # checkpoint path -> its mappings, the file's size
         self._sources: dict[Ref, tuple[Source, int]] = {}
         self._ours: set[int] = set()  # data pointers of the copies handed out
         self._spans: dict[Ref, tuple[torch.Tensor, int, int]] = {}  # ref -> its copy, where its bytes lie
@@ -160,14 +164,27 @@ class DiskHost:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def finish(self) -> None:
-        """After the last copy: the spill file written back and out of the page cache.
+        """After the last copy of a wrap (at post_init): the spill file written back and
+        out of the page cache, and the checkpoint files closed (their mappings stay; the
+        reader opens its own fds; a later copy from a checkpoint opens it again).
 
         Raises:
-            ExecutionError: the write-back failed (the spill file is gone).
+            ExecutionError: the write-back failed (the spill file stays open).
         """
+        self._flush()
+        self._close_checkpoints()
+
+    def _flush(self) -> None:
+        """The spill file's bytes appended since the last flush written back."""
         if self._spill is not None and self._unflushed:
             self._spill.flush()
             self._unflushed = 0
+
+    def _close_checkpoints(self) -> None:
+        self._maps.clear()
+        fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
     def close(self) -> None:
         """Close the files (the copies still mapped keep what they map). Idempotent; a
@@ -175,9 +192,7 @@ class DiskHost:
         if self._spill is not None:
             self._spill.close()
             self._spill = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._close_checkpoints()
         self._sources.clear()
         self._spans.clear()
         self._unflushed = 0
@@ -210,7 +225,7 @@ class DiskHost:
         self._unflushed += length
         host = _typed(spill.map(offset, length), data) if length else torch.empty_like(data)
         if self._unflushed >= FLUSH_BYTES:
-            self.finish()
+            self._flush()
         return self._keep(p, host, (spill.read_fd, offset))
 
     def _keep(self, p: DiskParam, host: torch.Tensor, source: tuple[Source, int]) -> torch.Tensor:
@@ -251,7 +266,14 @@ class DiskHost:
         return out
 
     def _map(self, path: str, offset: int, length: int) -> torch.Tensor:
+        """`length` bytes of checkpoint file `path` from `offset`, as a view into the
+        file's mapping (the whole file, mapped on first use)."""
         try:
-            return map_file(self._fd(path), offset, length)
-        except ExecutionError as exc:
+            found = self._maps.get(path)
+            if found is None:
+                fd = self._fd(path)
+                found = self._maps[path] = (FileMap(fd, path), os.fstat(fd).st_size)
+            files, size = found
+            return files.view(offset, length, covering=(0, size))
+        except (ExecutionError, OSError) as exc:
             raise ExecutionError(f"{Path(path).name}: {exc}", name="path", value=path) from exc

@@ -7,6 +7,8 @@ disk, new weights for disk layers, CUDA graph capture, and a tier that is not th
 from __future__ import annotations
 
 import errno
+import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -336,3 +338,39 @@ def test_a_model_on_meta_with_a_disk_weight_to_spill_is_refused_naming_it(tmp_pa
         offloader.wrap_modules(layers)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_weight_written_through_data_is_told_from_the_others_in_its_mapping(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint file is mapped whole, many disk weights in one mapping: a write through
+    ``param.data`` into one of them is found by its own pages, so post_init copies again
+    that weight and at most the neighbours it shares a page with in the file, not every
+    weight of the file."""
+    model = build_model("llama")
+    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
+    plan, tier, layers = plan_tier(model, checkpoint, disk_layers=3)
+    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path, start=False)
+    target = next(p for p in tier.params if p.name == "mlp.up_proj.weight")
+    assert target.extent is not None
+    page = mmap.PAGESIZE
+
+    def pages(offset: int, nbytes: int) -> set[int]:
+        return set(range(offset // page, (offset + nbytes - 1) // page + 1))
+
+    edges = {target.extent.offset // page, (target.extent.offset + target.nbytes - 1) // page}
+    near = {(p.layer, p.name) for p in tier.params if p.extent is not None and p is not target
+            and pages(p.extent.offset, p.nbytes) & edges}
+    layer: Any = layers[target.layer]
+    with torch.no_grad():
+        layer.mlp.up_proj.weight.data.mul_(2.0)  # moves no version counter: only its pages tell
+    reference = build_model("llama")
+    with torch.no_grad():
+        reference.model.layers[target.layer].mlp.up_proj.weight.mul_(2.0)
+    with caplog.at_level(logging.INFO, logger="offload.disk"):
+        offloader.post_init()
+    found = [r.getMessage() for r in caplog.records if "written before post_init" in r.getMessage()]
+    assert len(found) == 1 and len(tier.params) > 1 + len(near)
+    count = int(found[0].split()[0])
+    assert 1 <= count <= 1 + len(near), found
+    assert _equal(step_logits(model), step_logits(reference))
+    offloader.restore()

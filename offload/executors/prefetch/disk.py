@@ -13,6 +13,7 @@ import attrs
 import torch
 from torch import nn
 
+from offload.capture.pagemap import written_pages
 from offload.capture.smaps import written_ranges
 from offload.errors import ExecutionError, PlanError
 from offload.executors.common import Ref, find_parameter
@@ -135,15 +136,25 @@ class DiskStream:
         moves no version counter), for `written`. Where the process's mappings cannot be
         read, only the version counters tell (logged)."""
         spans = self.host.spans()
-        refs = list(spans)
+        ranges = {ref: (start, end) for ref, (_, start, end) in spans.items()}
         try:
-            found = written_ranges([(start, end) for _, start, end in spans.values()])
+            found = written_ranges(list(ranges.values()))
         except OSError as exc:
             log.warning("cannot tell which disk-tier copies were written before post_init (%s): a write through "
                         "param.data would not reach the disk reads", exc)
             self._written = set()
             return
-        self._written = {ref for ref, hit in zip(refs, found, strict=True) if hit}
+        # A mapping holds many copies (a checkpoint file is mapped whole): of those in a
+        # mapping with written pages, the copies whose own pages were written (a page
+        # shared with a neighbour counts for both: that one is spilled as it is, unchanged).
+        hits = [ref for ref, hit in zip(ranges, found, strict=True) if hit]
+        try:
+            pages = written_pages([ranges[ref] for ref in hits])
+        except OSError as exc:
+            log.info("cannot read which pages of the disk-tier mappings were written (%s): every copy in a written "
+                     "mapping is copied again", exc)
+            pages = (True,) * len(hits)
+        self._written = {ref for ref, hit in zip(hits, pages, strict=True) if hit}
         if self._written:
             log.info("%d disk-tier weights were written before post_init: they are copied again, to the spill file",
                      len(self._written))
