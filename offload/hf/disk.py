@@ -18,7 +18,7 @@ from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS, DiskSource, DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot
-from offload.pure.plan.plan import OffloadPlan
+from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.units import format_bytes
 
 __all__ = ["DiskRequest", "check_spill_dir", "disk_request", "plan_model_disk", "spill_room"]
@@ -123,11 +123,17 @@ def plan_model_disk(model: nn.Module, layers: Sequence[nn.Module], plan: Offload
             tests pass their own).
 
     Raises:
-        PlanError: not a prefetch plan, or the budget cannot be met (`plan_disk_tier`);
+        PlanError: not a prefetch plan and its host copies exceed the budget (the disk
+            tier streams through prefetch slots), or the budget cannot be met
+            (`plan_disk_tier`);
             the tier spills more than `request.spill_dir` has free, naming both.
         CheckpointError: the checkpoint cannot be read.
     """
     checkpoint, host_budget_bytes, disk_gbps = request.checkpoint, request.host_budget_bytes, request.disk_gbps
+    if plan.backend is not Backend.PREFETCH and plan.host_bytes <= host_budget_bytes:
+        log.info("host budget %s holds every offloaded weight of the %s plan (%s): no disk tier",
+                 format_bytes(host_budget_bytes), plan.backend.value, format_bytes(plan.host_bytes))
+        return None
     names = {id(module): name for name, module in model.named_modules()}
     layer_names = [names[id(layer)] for layer in layers] if checkpoint is not None else []
     found = checkpoint_extents(checkpoint) if checkpoint is not None else None

@@ -22,10 +22,13 @@ from offload.hf.disk import DiskRequest, disk_request, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.offloader import ModelOffloader, Slot, outside_bytes, outside_tensors
 from offload.logs import logger
+from offload.model.checkpoint import checkpoint_extents
 from offload.model.describe import describe_stacks, storage_key
 from offload.model.wrappers import inner_tensors, is_wrapper
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
+from offload.pure.disk.search import TierSearch, tier_search
+from offload.pure.disk.tier import ASSUMED_DISK_GBPS
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import PROFILES, DeviceProfile, profile_for_device
@@ -35,24 +38,43 @@ from offload.pure.plan.plan import OffloadPlan
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
-__all__ = ["DEFAULT_PROFILE", "ModelOffloader", "offload_model", "offload_stacks", "outside_tensors", "plan_model"]
+__all__ = ["CPU_TIER_CONFIG", "DEFAULT_PROFILE", "ModelOffloader", "offload_model", "offload_stacks", "outside_tensors", "plan_model"]
 
 log = logger("offload.plan")
 
 #: The profile `fit` uses when none is given and the device's name matches none.
 DEFAULT_PROFILE = "h200-pcie5"
 
+#: The configuration a host budget alone plans on a machine without an accelerator: every
+#: layer offloaded through one slot, so that the disk tier takes every layer the budget does
+#: not hold (resident weights would take host memory there too).
+CPU_TIER_CONFIG = OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1)
+
+
 def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | None, device_budget_bytes: int | None,
                outside_bytes: int, reserve_bytes: int = 0, profile: DeviceProfile | None = None,
-               workload: Workload | None = None) -> OffloadPlan:
+               workload: Workload | None = None, disk: DiskRequest | None = None,
+               layer_names: Sequence[str] = ()) -> OffloadPlan:
     """The plan `offload_model` runs: `config` as given, or `fit` for the device budget
     counting the weights outside the layers as resident (the device's whole memory when
     neither is given and there is an accelerator).
 
+    With a host budget (`disk`), `fit` searches within both budgets: a configuration whose
+    host copies do not fit runs with its last layers on disk (`offload.pure.disk.search`),
+    and one no disk tier can hold is not chosen. On a machine without an accelerator, a host
+    budget alone plans `CPU_TIER_CONFIG` (every layer offloaded, the disk tier taking what
+    the budget does not hold).
+
+    Args:
+        layer_names: with `disk`, each layer's name in the model (``model.layers.3``), to
+            read the disk layers from `disk.checkpoint` where they lie there.
+
     Raises:
         ConfigError: both `config` and `device_budget_bytes`, or neither without an
-            accelerator (the CPU runtime saves no memory: say what to offload).
-        PlanError: nothing fits the budget (from `fit`).
+            accelerator and without a host budget (the CPU runtime saves no memory: say
+            what to offload).
+        PlanError: nothing fits the budgets (from `fit`).
+        CheckpointError: `disk.checkpoint` cannot be read.
     """
     if config is not None and device_budget_bytes is not None:
         raise ConfigError("give config or device_budget_bytes, not both", name="config", value=config)
@@ -60,21 +82,41 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
         return make_plan(spec, config, env)
     platform = env.platform
     if device_budget_bytes is None:
+        if not platform.has_cuda and disk is not None:
+            log.info("no accelerator and a host budget of %s: every layer offloaded (%s), the disk tier holding "
+                     "what the budget does not", format_bytes(disk.host_budget_bytes), CPU_TIER_CONFIG)
+            return make_plan(spec, CPU_TIER_CONFIG, env)
         if not platform.has_cuda:
             raise ConfigError(
-                "no accelerator: pass config= (what to offload) or device_budget_bytes= (a device to plan for); "
-                "on the CPU offloading saves no memory", name="device_budget_bytes", value=None)
+                "no accelerator: pass config= (what to offload), device_budget_bytes= (a device to plan for) or "
+                "host_budget_bytes= (host memory to run in, the rest read from disk); on the CPU offloading to "
+                "host memory saves no memory", name="device_budget_bytes", value=None)
         device_budget_bytes = platform.device_total_bytes
     chosen = profile or profile_for_device(platform.device_name) or PROFILES[DEFAULT_PROFILE]
+    host = _tier_search(spec, env, chosen, disk, layer_names) if disk is not None else None
     result = fit(spec, env, chosen, workload or Workload(), device_budget_bytes, outside_bytes=outside_bytes,
-                 reserve_bytes=reserve_bytes)
-    log.info("fit %s in %s on %s: %s", format_bytes(spec.nbytes + outside_bytes), format_bytes(device_budget_bytes),
+                 reserve_bytes=reserve_bytes, host=host)
+    log.info("fit %s in %s%s on %s: %s", format_bytes(spec.nbytes + outside_bytes), format_bytes(device_budget_bytes),
+             f" and {format_bytes(disk.host_budget_bytes)} of host memory" if disk is not None else "",
              chosen.name, result.chosen.config)
     if platform.has_cuda:
         return result.plan
     # Planned for the profile's device from a machine without one: the same configuration,
     # planned for this machine, so that the mechanics run here (saving nothing).
     return make_plan(spec, result.chosen.config, env)
+
+
+def _tier_search(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, disk: DiskRequest,
+                 layer_names: Sequence[str]) -> TierSearch:
+    """The disk tier `fit` searches with for `disk`'s host budget (the checkpoint's tensors
+    where it names one and the layers' names are known)."""
+    found = checkpoint_extents(disk.checkpoint) if disk.checkpoint is not None and layer_names else None
+    return tier_search(spec, env, profile, host_budget_bytes=disk.host_budget_bytes,
+                       disk_gbps=float(disk.disk_gbps if disk.disk_gbps is not None else ASSUMED_DISK_GBPS),
+                       read_ahead=disk.read_ahead, layer_names=layer_names if found is not None else (),
+                       tensors=found.tensors if found is not None else None,
+                       extents=found.extents if found is not None else None,
+                       files=found.files if found is not None else ())
 
 
 def offload_model(
@@ -118,7 +160,9 @@ def offload_model(
         host_budget_bytes: host memory the offloaded weights may take (with the disk
             tier's staging ring); the last offloaded layers that do not fit are read
             from disk ahead of their copies (`offload.pure.disk.plan_disk_tier`; prefetch
-            plans). None: every offloaded weight in host memory.
+            plans). With a device budget, `fit` chooses within both budgets; on a machine
+            without an accelerator, a host budget alone offloads every layer
+            (`CPU_TIER_CONFIG`). None: every offloaded weight in host memory.
         checkpoint: with a host budget, the checkpoint the model was loaded from: disk
             layers are read from it where their bytes are the model's (checked byte for
             byte at wrap); None: they are written to a spill file.
@@ -172,10 +216,11 @@ def offload_stacks(
     spec = describe_stacks(stacks)
     rest = outside_tensors(model, layers)
     _refuse_ties_to_outside(spec, rest)
+    names = {id(module): name for name, module in model.named_modules()}
     try:
         plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
                           outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
-                          workload=workload)
+                          workload=workload, disk=disk, layer_names=[names[id(layer)] for layer in layers])
     except PlanError as exc:
         if device_budget_bytes is None and config is not None:
             raise

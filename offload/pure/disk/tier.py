@@ -37,6 +37,15 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, tuple_of, tuple_of_ints
 from offload.pure.decide.admission import NOT_CHECKED, HostAdmission, assess_host_memory, host_demand
+from offload.pure.disk.choose import (
+    disk_candidates,
+    first_reads_of,
+    next_occupants_of,
+    read_order_of,
+    refuse_budget,
+    tier_bytes,
+    tier_positions,
+)
 from offload.pure.disk.params import READ_BLOCK, STAGING_ALIGN, DiskParam, DiskSource, layout, residue, ring_bytes
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
@@ -46,8 +55,8 @@ from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.spec.values import ParamSpec
 
 __all__ = ["ASSUMED_DISK_GBPS", "DISK_FORMAT", "READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource",
-           "DiskTierPlan", "check_read_order",
-           "first_reads", "next_occupants", "plan_disk_tier", "residue", "staging_layout", "tier_admission"]
+           "DiskTierPlan", "check_read_order", "disk_params_by_layer", "first_reads", "layer_bytes_of",
+           "next_occupants", "plan_disk_tier", "residue", "staging_layout", "tied_layers", "tier_admission"]
 
 #: The ``format`` tag of a serialised disk tier; bumped when the layout changes.
 DISK_FORMAT = "offload-disk-tier/1"
@@ -208,41 +217,26 @@ class DiskTierPlan:
         return from_data(cls, document.get("disk"))
 
 
-def next_occupants(tier: DiskTierPlan, cycle_of: Sequence[int] = ()) -> dict[int, int]:
+def next_occupants(tier: DiskTierPlan, cycle_of: Sequence[int] = (),
+                   following: Mapping[int, int] | None = None) -> dict[int, int]:
     """Each disk position's buffer's next occupant: the next read of its buffer in read
     order, else the buffer's first read of the next pass (itself: the buffer is its alone,
     read once and kept). The read staged once the copy out of the position is done.
 
     With the schedule's cycles (`PrefetchSchedule.cycle_of`: several stacks, such as an
     encoder run once per request and a decoder once per token), a pass is a pass of the
-    position's cycle: the next occupant is the next read of the buffer in that cycle, else
-    the cycle's first read of it, so that a stack that repeats finds its reads ahead."""
-    order, staging = tier.read_order, tier.staging
-
-    def cycle(position: int) -> int:
-        return cycle_of[position] if position < len(cycle_of) else 0
-
-    found: dict[int, int] = {}
-    for k, position in enumerate(order):
-        same = [j for j in range(len(order)) if staging[j] == staging[k] and cycle(order[j]) == cycle(position)]
-        found[position] = order[next((j for j in same if j > k), same[0])]
-    return found
+    position's cycle: after a cycle's last read of the buffer, the next occupant is the
+    buffer's first read in the cycle expected to run next (`following`: by default each
+    cycle's own, so that a stack that repeats finds its reads ahead), as
+    `offload.pure.disk.choose.next_occupants_of` says."""
+    return next_occupants_of(tier.read_order, tier.staging, cycle_of, following)
 
 
 def first_reads(tier: DiskTierPlan, initial: Sequence[int]) -> tuple[int, ...]:
     """The reads started before the first pass (post_init): a pass's first copies in the
     order they are issued (the schedule's `initial` ones, then the read order), one per
     buffer, the first that each buffer serves."""
-    disk = set(tier.disk_positions)
-    starts = [i for i in initial if i in disk]
-    taken: set[int] = set()
-    found: list[int] = []
-    for position in [*starts, *(i for i in tier.read_order if i not in starts)]:
-        buffer = tier.staging[tier.read_order.index(position)]
-        if buffer not in taken:
-            taken.add(buffer)
-            found.append(position)
-    return tuple(found)
+    return first_reads_of(tier.read_order, tier.staging, initial)
 
 
 def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:
@@ -255,13 +249,33 @@ def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]
     return {layer: layout(found) for layer, found in by_layer.items()}
 
 
-def _layer_bytes(plan: OffloadPlan) -> dict[int, int]:
+def layer_bytes_of(plan: OffloadPlan) -> dict[int, int]:
     """Host bytes of each offloaded layer (each storage once: a tie's copy is its owner's)."""
     found: dict[int, int] = {}
     for p in plan.offloaded_params:
         if p.tied_to is None:
             found[p.layer] = found.get(p.layer, 0) + p.param.nbytes
     return found
+
+
+def tied_layers(plan: OffloadPlan) -> set[int]:
+    """The layers whose host copies another layer shares (a tie across layers): they stay
+    in host memory."""
+    return {layer for p in plan.offloaded_params if p.tied_to is not None and p.tied_to[0] != p.layer
+            for layer in (p.layer, p.tied_to[0])}
+
+
+def disk_params_by_layer(plan: OffloadPlan, layer_names: Sequence[str], tensors: Mapping[str, TensorHeader],
+                         extents: Mapping[str, DiskExtent]) -> dict[int, list[DiskParam]]:
+    """Where each offloaded layer's parameters would be read from, were the layer on disk
+    (the checkpoint where its bytes lie as the model holds them, else a spill file), by
+    layer, in plan order."""
+    owned: dict[int, list[DiskParam]] = {}
+    for p in plan.offloaded_params:
+        if p.tied_to is None:
+            full = f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None
+            owned.setdefault(p.layer, []).append(_disk_param(p.layer, full, p.param, tensors, extents))
+    return owned
 
 
 def _disk_param(layer: int, full: str | None, param: ParamSpec, tensors: Mapping[str, TensorHeader],
@@ -315,42 +329,23 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
     if layer_names and len(layer_names) != plan.num_layers:
         raise PlanError(f"{len(layer_names)} layer names for {plan.num_layers} layers", name="layer_names",
                         value=len(layer_names))
-    layer_bytes = _layer_bytes(plan)
-    # Where each offloaded parameter would be read from, were its layer on disk, and so
-    # how its layer packs in a staging buffer.
-    would = [_disk_param(p.layer, f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None, p.param,
-                         tensors or {}, extents or {})
-             for p in plan.offloaded_params if p.tied_to is None]
-    owned: dict[int, list[DiskParam]] = {}
-    for d in would:
-        owned.setdefault(d.layer, []).append(d)
+    layer_bytes = layer_bytes_of(plan)
+    owned = disk_params_by_layer(plan, layer_names, tensors or {}, extents or {})
     staged = {layer: layout(found)[1] for layer, found in owned.items()}  # a layer in a staging buffer
     positions = plan.offloaded_layers
-    kept = plan.schedule.kept_positions
-    # A layer sharing a host copy with another layer stays in host memory with it.
-    tied = {layer for p in plan.offloaded_params if p.tied_to is not None and p.tied_to[0] != p.layer
-            for layer in (p.layer, p.tied_to[0])}
-    candidates = [i for i in range(len(positions)) if i not in kept and positions[i] not in tied]
-    chosen: list[int] = []
+    candidates = disk_candidates(len(positions), plan.schedule.kept_positions, tied_layers(plan), positions)
+    chosen = tier_positions(positions, layer_bytes, staged, candidates, host_budget_bytes=host_budget_bytes,
+                            read_ahead=read_ahead)
+    if chosen is None:
+        host, ring = tier_bytes(positions, layer_bytes, staged, candidates, read_ahead)
+        raise refuse_budget(host_budget_bytes, host, ring, len(candidates), read_ahead)
+    would = [d for found in owned.values() for d in found]
     total = sum(layer_bytes.get(layer, 0) for layer in positions)
-    for count in range(len(candidates) + 1):
-        chosen = sorted(candidates[len(candidates) - count:])
-        on_disk = [layer_bytes.get(positions[i], 0) for i in chosen]
-        ring = ring_bytes(min(read_ahead, count), max((staged.get(positions[i], 0) for i in chosen), default=0))
-        if total - sum(on_disk) + ring <= host_budget_bytes:
-            break
-    else:
-        raise PlanError(
-            f"host budget {host_budget_bytes} bytes does not fit the offloaded weights: with every one of the "
-            f"{len(candidates)} layers that can be on disk there, the host still holds {total - sum(on_disk)} bytes "
-            f"of kept layers and a staging ring of {ring} bytes ({min(read_ahead, len(candidates))} x the largest "
-            "disk layer)",
-            name="host_budget_bytes", value=host_budget_bytes)
     disk = tuple(chosen)
     disk_layers = tuple(positions[i] for i in disk)
     on = set(disk_layers)
     params = tuple(d for d in would if d.layer in on)
-    read_order = tuple(t for t in plan.schedule.issued_after if t is not None and t in set(disk))
+    read_order = read_order_of(plan.schedule.issued_after, set(disk))
     check_read_order(read_order, plan.schedule.issued_after, disk)
     used = {p.extent.path for p in params if p.extent is not None}
     disk_bytes = sum(p.nbytes for p in params)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import attrs
 
 from offload.pure.config import OffloadConfig
-from offload.pure.fit.estimate import simulate_prefetch
+from offload.pure.fit.estimate import DiskReads, simulate_prefetch
+from offload.pure.fit.host import HostTier
 from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes
 from offload.pure.plan.schedule import PrefetchSchedule, schedule_prefetch
 from offload.pure.units import format_bytes
@@ -22,14 +23,17 @@ __all__ = [
     "BACKEND_ORDER",
     "FitCandidate",
     "best_depth",
+    "cached_schedule",
     "close",
     "compare",
     "describe",
+    "disk_seconds",
     "none_candidate",
     "prefetch_candidate",
     "same_outcome",
     "tie_key",
     "uva_candidates",
+    "uva_prefix",
 ]
 
 _TOL = 1e-9
@@ -44,15 +48,18 @@ class FitCandidate:
     Attributes:
         config: the configuration (backend explicit).
         step_seconds: predicted steady-state step time.
-        limit_seconds: max(resident compute, offloaded bytes per step / pinned rate); the
-            bytes of layers loaded once (alone in their slot) are not per step.
+        limit_seconds: max(resident compute, offloaded bytes per step / pinned rate, a
+            disk tier's reads per step); the bytes of layers loaded once (alone in their
+            slot) are not per step.
         resident_bytes: weights that stay in device memory.
         buffer_bytes: static prefetch buffers in device memory.
         transient_bytes: the largest layer's on-demand copy (0 unless UVA falls back).
         outside_bytes: weights outside the layers (embeddings, head, final norm), always
             resident: the caller's figure.
         reserve_bytes: the caller's reserve.
-        host_bytes: host memory for the host copies.
+        host_bytes: host memory for the host copies (with a disk tier: its host tier and
+            staging ring).
+        disk_positions: the schedule positions a host budget puts on disk (prefetch).
     """
 
     config: OffloadConfig
@@ -64,6 +71,7 @@ class FitCandidate:
     outside_bytes: int
     reserve_bytes: int
     host_bytes: int
+    disk_positions: tuple[int, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -88,15 +96,28 @@ def describe(config: OffloadConfig, *, joiner: str = ": ") -> str:
 def _candidate(table: Table, config: OffloadConfig, *, busy: Sequence[float], offloaded_bytes: int,
                host: int, buffers: int = 0, transient: int = 0,
                copy: Sequence[float] = (), positions: Sequence[int] = (),
-               schedule: PrefetchSchedule | None = None) -> FitCandidate:
-    """A candidate's figures, computed as `estimate` computes them."""
-    stalls = simulate_prefetch(busy, copy, positions, schedule)[0] if schedule is not None and positions else ()
+               schedule: PrefetchSchedule | None = None, disk: DiskReads | None = None,
+               host_bytes: int | None = None, disk_positions: tuple[int, ...] = ()) -> FitCandidate:
+    """A candidate's figures, computed as `estimate` computes them (`host`: the bytes its
+    offloaded weights take off the device; `host_bytes`: what they take of host memory,
+    when a disk tier holds some of them)."""
+    stalls = simulate_prefetch(busy, copy, positions, schedule, disk)[0] \
+        if schedule is not None and positions else ()
     step = sum(b + s for b, s in zip(busy, stalls, strict=True)) if stalls else sum(busy)
-    limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s)
+    limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s, disk_seconds(disk))
     return FitCandidate(config=config, step_seconds=step, limit_seconds=limit,
                         resident_bytes=table.resident_bytes - host, buffer_bytes=buffers,
                         transient_bytes=transient, outside_bytes=table.outside, reserve_bytes=table.reserve,
-                        host_bytes=host)
+                        host_bytes=host if host_bytes is None else host_bytes, disk_positions=disk_positions)
+
+
+def disk_seconds(disk: DiskReads | None) -> float:
+    """Seconds of disk reads per step: every disk position's read but those alone in their
+    staging buffer (read once and kept), as `estimate` counts them."""
+    if disk is None:
+        return 0.0
+    next_of = dict(disk.next_of)
+    return sum(seconds for i, seconds in enumerate(disk.seconds) if seconds and next_of.get(i, i) != i)
 
 
 def none_candidate(table: Table) -> FitCandidate:
@@ -120,12 +141,12 @@ def uva_candidates(table: Table, budget: int) -> tuple[FitCandidate | None, FitC
         if host > 0 and (leanest is None or device < leanest[0]):
             leanest = (device, m)
         if host > 0 and device <= budget:
-            fits = _uva_candidate(table, m)
+            fits = uva_prefix(table, m)
             break
-    return fits, (_uva_candidate(table, leanest[1]) if leanest is not None else None)
+    return fits, (uva_prefix(table, leanest[1]) if leanest is not None else None)
 
 
-def _uva_candidate(table: Table, m: int) -> FitCandidate:
+def uva_prefix(table: Table, m: int) -> FitCandidate:
     """UVA over the first `m` storages (in layer order) of the table's UVA groups."""
     per_layer = [0] * len(table.compute)
     for _, reads in table.uva_groups[:m]:
@@ -139,32 +160,44 @@ def _uva_candidate(table: Table, m: int) -> FitCandidate:
                       transient=0 if table.uva_enabled else max(per_layer))
 
 
-def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: int) -> FitCandidate:
-    """Prefetch of `expanded`'s layers at `depth`, with `buffers` static buffer bytes."""
+def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: int,
+                       host: HostTier | None = None) -> FitCandidate | None:
+    """Prefetch of `expanded`'s layers at `depth`, with `buffers` static buffer bytes; with
+    a host budget, its last layers on disk as `host` places them (None: no disk tier
+    makes it fit the budget)."""
     ls = expanded.layer_set
     config = OffloadConfig(backend="prefetch", group_size=ls.group_size, num_in_group=ls.num_in_group,
                            prefetch_step=depth, param_filter=table.segments)
     rate = table.copy_rate
+    schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
+    placed = host.place(expanded.positions, schedule) if host is not None else None
+    if host is not None and placed is None:
+        return None
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
     per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
     return _candidate(table, config, busy=table.compute, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
                       copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
-                      positions=expanded.positions,
-                      schedule=_schedule(len(expanded.positions), depth, expanded.cycles))
+                      positions=expanded.positions, schedule=schedule,
+                      disk=placed.disk if placed is not None else None,
+                      host_bytes=placed.host_bytes if placed is not None else None,
+                      disk_positions=placed.disk_positions if placed is not None else ())
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(num_offloaded: int, depth: int, cycles: tuple[int, ...] = ()) -> PrefetchSchedule:
+def cached_schedule(num_offloaded: int, depth: int, cycles: tuple[int, ...] = ()) -> PrefetchSchedule:
     """`schedule_prefetch`, remembered: the search asks for the same few many times."""
     return schedule_prefetch(num_offloaded, depth, cycles)
 
 
-def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int) -> tuple[FitCandidate | None, int]:
-    """The best fitting depth for one layer set, and how many depths were simulated."""
+def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int,
+               host: HostTier | None = None) -> tuple[FitCandidate | None, int, bool]:
+    """The best depth for one layer set that fits the device budget (and the host budget,
+    with `host`), how many depths were simulated, and whether any depth fit the device."""
     expanded = expand(table, layer_set)
     best: FitCandidate | None = None
     runs = 0
+    fits_device = False
     # One kind of layer at every position: buffers grow with depth, so stop at the first misfit.
     monotone = len(expanded.kinds) == 1
     for depth in range(1, min(len(expanded.positions), max_step) + 1):
@@ -173,13 +206,16 @@ def best_depth(table: Table, layer_set: LayerSet, budget: int, max_step: int) ->
             if monotone:
                 break
             continue
-        candidate = prefetch_candidate(table, expanded, depth, buffers)
+        fits_device = True
+        candidate = prefetch_candidate(table, expanded, depth, buffers, host)
         runs += 1
+        if candidate is None:
+            continue  # no disk tier meets the host budget at this depth
         if best is None or compare(candidate, best) < 0:
             best = candidate
         if candidate.step_seconds <= layer_set.bound_seconds or close(candidate.step_seconds, layer_set.bound_seconds):
             break  # no deeper prefetch is faster than the bound
-    return best, runs
+    return best, runs, fits_device
 
 
 def close(a: float, b: float) -> bool:

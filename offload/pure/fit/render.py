@@ -87,8 +87,10 @@ def render_estimate(step: StepEstimate) -> str:
         *_loaded_once_lines(step),
         *([f"disk             = {format_seconds(step.disk_read_seconds)} of reads per step (the disk tier; a late "
            "read is in the stalls): no step is faster"] if step.disk_read_seconds else []),
-        f"limit            = max({format_seconds(step.compute_seconds)}, {format_seconds(step.link_seconds)})"
-        f" = {format_seconds(step.limit_seconds)}",
+        f"limit            = max({format_seconds(step.compute_seconds)}, {format_seconds(step.link_seconds)}"
+        + (f", {format_seconds(step.disk_read_seconds)}" if step.disk_read_seconds else "")
+        + f") = {format_seconds(step.limit_seconds)}"
+        + (" (compute, link, disk)" if step.disk_read_seconds else " (compute, link)"),
         f"predicted step   = compute {format_seconds(step.compute_seconds)} + stalls "
         f"{format_seconds(step.stall_seconds)} + uva {format_seconds(step.uva_read_seconds)} + on demand "
         f"{format_seconds(step.on_demand_seconds)} = {format_seconds(step.step_seconds)}, "

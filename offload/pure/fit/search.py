@@ -53,6 +53,7 @@ from offload.pure.fit.candidates import (
     BACKEND_ORDER,
     FitCandidate,
     best_depth,
+    cached_schedule,
     close,
     compare,
     describe,
@@ -61,10 +62,12 @@ from offload.pure.fit.candidates import (
     same_outcome,
     tie_key,
     uva_candidates,
+    uva_prefix,
 )
 from offload.pure.fit.estimate import StepEstimate, Workload, estimate
+from offload.pure.fit.host import HostTier
 from offload.pure.fit.profiles import DeviceProfile, planning_env
-from offload.pure.fit.table import Table, buffer_bytes, build_table, expand, layer_sets
+from offload.pure.fit.table import LayerSet, Table, buffer_bytes, build_table, expand, layer_sets
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.serialize import to_data
@@ -103,6 +106,9 @@ class FitResult:
         env: the snapshot the plan was made against (see `planning_env`).
         simulated: candidates whose step was simulated.
         considered: distinct candidates the search looked at.
+        host_budget_bytes: the host budget the search held to (None: host memory was not
+            limited); the plan's disk tier, if it needs one, is `plan_disk_tier` of `plan`
+            for it (`offload.pure.disk.search.fit_with_tier` returns both).
     """
 
     budget_bytes: int
@@ -115,6 +121,7 @@ class FitResult:
     env: EnvSnapshot
     simulated: int
     considered: int
+    host_budget_bytes: int | None = None
 
     def to_json(self, *, indent: int | None = None) -> str:
         """The whole result as JSON (values as `offload.pure.serialize.to_data` lays them out)."""
@@ -131,6 +138,7 @@ def fit(
     param_filter: Sequence[str] = (),
     max_prefetch_step: int = DEFAULT_MAX_PREFETCH_STEP,
     runners_up: int = DEFAULT_RUNNERS_UP,
+    host: HostTier | None = None,
 ) -> FitResult:
     """The configuration with the least predicted step time that fits the budget.
 
@@ -148,6 +156,10 @@ def fit(
         param_filter: dotted name segments; only matching parameters are offloaded.
         max_prefetch_step: the deepest prefetch searched (>= 1).
         runners_up: how many runners-up to return (>= 0).
+        host: a host budget to hold to, and the disk tier that meets it
+            (`offload.pure.disk.search.TierSearch`; see `offload.pure.fit.host`): a
+            candidate whose host copies do not fit is costed with its last offloaded layers
+            read from disk, or dropped where no disk tier makes it fit.
 
     Returns:
         The chosen configuration with its plan and estimate, and the runners-up.
@@ -156,7 +168,10 @@ def fit(
         ConfigError: a negative budget, outside bytes or reserve, a bad filter segment, a
             bad limit.
         PlanError: nothing fits; the message names the leanest configuration, the device
-            bytes it needs and by how many bytes it misses the budget.
+            bytes it needs and by how many bytes it misses the budget. With `host`: some
+            configuration fits the device but none fits both budgets; the message names
+            the least host budget that works with this device budget and the least device
+            budget that works with this host budget, each with its configuration.
     """
     check_int_at_least("device_budget_bytes", device_budget_bytes, 0, ConfigError)
     check_int_at_least("outside_bytes", outside_bytes, 0, ConfigError)
@@ -170,7 +185,7 @@ def fit(
 
     none = none_candidate(table)
     if none.device_bytes <= budget:
-        return _result(spec, penv, table, budget, none, (), simulated=0, considered=1)
+        return _result(spec, penv, table, budget, none, (), simulated=0, considered=1, host=host)
 
     top: list[FitCandidate] = []
     rank = functools.cmp_to_key(compare)
@@ -186,13 +201,16 @@ def fit(
     uva, uva_leanest = uva_candidates(table, budget)
     leanest = [none] + ([uva_leanest] if uva_leanest is not None else [])
     simulated = 0
-    if uva is not None:
+    fits_device = uva is not None
+    if uva is not None and (host is None or uva.host_bytes <= host.host_budget_bytes):
         offer(uva)
     sets = layer_sets(table, max_step, budget)
     everything = next((s for s in sets if s.group_size == 1), None)  # g=1, k=1: every layer
     if everything is not None:
         expanded = expand(table, everything)
-        leanest.append(prefetch_candidate(table, expanded, 1, buffer_bytes(expanded, 1)))
+        lean = prefetch_candidate(table, expanded, 1, buffer_bytes(expanded, 1))
+        if lean is not None:
+            leanest.append(lean)
     for layer_set in sorted((s for s in sets if s.min_device_bytes <= budget),
                             key=lambda s: (s.bound_seconds, s.host_bytes, s.group_size, s.num_in_group)):
         if len(top) > keep:
@@ -204,10 +222,13 @@ def fit(
                     continue  # at best a tie on time, and it loses the tie
             elif layer_set.bound_seconds > worst.step_seconds:
                 break  # sorted by bound: no later set can rank either
-        best, runs = best_depth(table, layer_set, budget, max_step)
+        best, runs, fitted = best_depth(table, layer_set, budget, max_step, host)
         simulated += runs
+        fits_device = fits_device or fitted
         if best is not None:
             offer(best)
+    if not top and host is not None and fits_device:
+        raise _host_refusal(table, sets, uva, budget, max_step, host)
     if not top:
         lean = min(leanest, key=lambda c: (c.device_bytes, BACKEND_ORDER[c.config.backend]))
         over = lean.device_bytes - budget
@@ -221,27 +242,83 @@ def fit(
             value=budget,
         )
     return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
-                   simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets))
+                   simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host)
+
+
+def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
+                  host: HostTier) -> PlanError:
+    """The error when configurations fit the device budget but none fits the host budget
+    too: the least host budget that works with this device budget, and the least device
+    budget that works with this host budget, each with a configuration that meets it."""
+    host_budget = host.host_budget_bytes
+    # With this device budget: the least host memory of any configuration that fits it.
+    least_host: tuple[int, OffloadConfig] | None = (uva.host_bytes, uva.config) if uva is not None else None
+    # With this host budget: the fewest device bytes of any configuration whose host memory
+    # can meet it (backend none takes no host memory at all).
+    none = none_candidate(table)
+    least_device: tuple[int, OffloadConfig] = (none.device_bytes, none.config)
+    if uva is not None:
+        # The longest UVA prefix within the host budget takes the fewest device bytes.
+        host_so_far, longest = 0, 0
+        for m, (nbytes, _) in enumerate(table.uva_groups, start=1):
+            host_so_far += nbytes
+            if host_so_far > host_budget:
+                break
+            if host_so_far:
+                longest = m  # a prefix of nothing but empty storages offloads nothing
+        if longest:
+            lean = uva_prefix(table, longest)
+            if lean.device_bytes < least_device[0]:
+                least_device = (lean.device_bytes, lean.config)
+    for layer_set in sets:
+        expanded = expand(table, layer_set)
+        for depth in range(1, min(len(expanded.positions), max_step) + 1):
+            device = table.resident_bytes - layer_set.host_bytes + buffer_bytes(expanded, depth) + table.fixed_bytes
+            schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
+            least = host.least_host_bytes(expanded.positions, schedule)
+            config = OffloadConfig(backend="prefetch", group_size=layer_set.group_size,
+                                   num_in_group=layer_set.num_in_group, prefetch_step=depth,
+                                   param_filter=table.segments)
+            if device <= budget and (least_host is None or least < least_host[0]):
+                least_host = (least, config)
+            if least <= host_budget and device < least_device[0]:
+                least_device = (device, config)
+    if least_host is None:  # not reached: called only when some configuration fits the device
+        least_host = (host_budget, none.config)
+    return PlanError(
+        f"no configuration fits both the device budget of {format_bytes(budget)} ({budget} bytes) and the host "
+        f"budget of {format_bytes(host_budget)} ({host_budget} bytes): with this device budget the least host "
+        f"budget is {format_bytes(least_host[0])} ({least_host[0]} bytes, {describe(least_host[1], joiner=' with ')});"
+        f" with this host budget the least device budget is {format_bytes(least_device[0])} ({least_device[0]} "
+        f"bytes, {describe(least_device[1], joiner=' with ')})",
+        name="host_budget_bytes", value=host_budget)
 
 
 def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best: FitCandidate,
-            others: tuple[FitCandidate, ...], *, simulated: int, considered: int) -> FitResult:
-    """Make the real plan of the winner and check it against the search's prediction."""
+            others: tuple[FitCandidate, ...], *, simulated: int, considered: int,
+            host: HostTier | None = None) -> FitResult:
+    """Make the real plan of the winner and check it against the search's prediction (with
+    `host`: its step with its disk tier, and the host memory it then takes)."""
     plan = make_plan(spec, best.config, penv)
-    step = estimate(plan, table.profile, table.workload)
+    if host is not None and plan.backend.value == "prefetch":
+        step, host_bytes = host.estimate(plan, table.profile, table.workload)
+    else:
+        step, host_bytes = estimate(plan, table.profile, table.workload), plan.host_bytes
     chosen = attrs.evolve(
         best, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds,
         resident_bytes=plan.device_bytes_resident, buffer_bytes=plan.device_bytes_buffers,
         transient_bytes=max((layer.on_demand_bytes for layer in step.layers), default=0),
-        host_bytes=plan.host_bytes,
+        host_bytes=host_bytes,
     )
-    if chosen.device_bytes != best.device_bytes or not close(chosen.step_seconds, best.step_seconds):
+    if chosen.device_bytes != best.device_bytes or not close(chosen.step_seconds, best.step_seconds) \
+            or chosen.host_bytes != best.host_bytes:
         raise PlanError(
-            f"internal inconsistency: the search predicted {best.device_bytes} device bytes and a "
-            f"{best.step_seconds} s step for {describe(best.config, joiner=' with ')}, its plan takes "
-            f"{chosen.device_bytes} bytes and {chosen.step_seconds} s; please report this",
+            f"internal inconsistency: the search predicted {best.device_bytes} device bytes, {best.host_bytes} host "
+            f"bytes and a {best.step_seconds} s step for {describe(best.config, joiner=' with ')}, its plan takes "
+            f"{chosen.device_bytes}, {chosen.host_bytes} and {chosen.step_seconds} s; please report this",
             name="config", value=best.config,
         )
     return FitResult(budget_bytes=budget, chosen=chosen, plan=plan, estimate=step, runners_up=others,
                      profile=table.profile, workload=table.workload, env=penv,
-                     simulated=simulated, considered=considered)
+                     simulated=simulated, considered=considered,
+                     host_budget_bytes=host.host_budget_bytes if host is not None else None)

@@ -176,8 +176,9 @@ class StepEstimate:
 
     @property
     def limit_seconds(self) -> float:
-        """max(resident compute, offloaded bytes / pinned rate): no plan beats it."""
-        return max(self.compute_seconds, self.link_seconds)
+        """max(resident compute, offloaded bytes / pinned rate, a disk tier's reads per
+        step): no plan beats it."""
+        return max(self.compute_seconds, self.link_seconds, self.disk_read_seconds)
 
     @property
     def ratio_to_limit(self) -> float:

@@ -74,3 +74,18 @@ def test_post_init_reads_one_position_per_buffer_in_the_order_copies_are_issued(
     assert len(reads.first) == tier.buffers
     assert len({tier.staging[tier.read_order.index(p)] for p in reads.first}) == tier.buffers
     assert [position for position, _ in reads.next_of] == list(tier.read_order)
+
+
+def test_the_limit_holds_the_disks_floor_and_the_text_says_so() -> None:
+    from offload.pure.fit.render import render_estimate
+
+    plan, tier = _planned()
+    slow = attrs.evolve(tier, disk_gbps=0.01)
+    got = estimate_with_tier(plan, slow, PROFILE, Workload())
+    assert got.disk_read_seconds > max(got.compute_seconds, got.link_seconds)
+    assert got.limit_seconds == got.disk_read_seconds  # bound by the disk: no step is faster
+    assert 1.0 <= got.ratio_to_limit <= 1.05
+    text = render_estimate(got)
+    assert "(compute, link, disk)" in text
+    # Without a disk tier the limit is compute and link, as before.
+    assert "(compute, link)\n" in render_estimate(estimate(plan, PROFILE, Workload()))

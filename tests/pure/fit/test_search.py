@@ -318,6 +318,7 @@ def _prefetch_candidates(spec: ModelSpec, env: EnvSnapshot, tokens: int, max_ste
         expanded = expand(table, layer_set)
         for depth in range(1, min(len(expanded.positions), max_step) + 1):
             candidate = prefetch_candidate(table, expanded, depth, buffer_bytes(expanded, depth))
+            assert candidate is not None  # without a host budget every candidate is costed
             if candidate.device_bytes <= budget:
                 out.append((candidate.config, candidate, layer_set.bound_seconds))
     return out

@@ -1,0 +1,175 @@
+"""`fit` with a host budget (`fit_with_tier`): the disk tier inside the search.
+
+The oracle enumerates every configuration of a small model with `make_plan`,
+`plan_disk_tier` and `estimate_with_tier` only (none; prefetch over every group size,
+number in group and depth, its last layers on disk where the host budget needs; UVA over
+every prefix, whose host copies must fit), and keeps those that meet both budgets. `fit`
+must give a plan whenever one does, as fast as the fastest, and otherwise an error whose
+named budgets each work.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from offload.errors import PlanError
+from offload.pure import EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, ParamSpec, make_plan
+from offload.pure.disk.estimate import estimate_with_tier
+from offload.pure.disk.search import TierFit, fit_with_tier
+from offload.pure.disk.tier import plan_disk_tier
+from offload.pure.fit.estimate import Workload, estimate
+from offload.pure.fit.profiles import planning_env
+from offload.pure.fit.search import fit
+from offload.pure.plan.plan import Backend, OffloadPlan
+from tests.pure.fit.test_search import ENVS, MAX_STEP, SPECS, TOKENS, TOY, device_bytes
+
+#: A disk as slow as the toy link (1000 bytes/s), so that reads matter beside copies.
+DISK_GBPS = 1e-6
+
+
+@st.composite
+def weighty_specs(draw: st.DrawFn, min_layers: int = 1) -> ModelSpec:
+    """Models whose layers (16 to 384 KiB) dwarf a staging buffer's alignment block, so that
+    disk tiers fit host budgets; some parameters not on the compute device (never offloaded);
+    half of them of identical layers."""
+    layers = []
+    for index in range(draw(st.integers(min_layers, 7))):
+        params = []
+        for name in draw(st.lists(st.sampled_from(["a.weight", "b.weight", "c.bias"]), min_size=1, max_size=3,
+                                  unique=True)):
+            rows = draw(st.integers(1, 8)) * 256
+            params.append(ParamSpec(name=name, shape=(rows, 16), stride=(16, 1), dtype="float32", itemsize=4,
+                                    device=draw(st.sampled_from(["compute", "compute", "compute", "cpu"]))))
+        layers.append(LayerSpec(index=index, name=f"model.layers.{index}", params=tuple(params)))
+    if draw(st.booleans()):  # identical layers, as in most real stacks
+        layers = [LayerSpec(index=i, name=f"model.layers.{i}", params=layers[0].params) for i in range(len(layers))]
+    return ModelSpec(layers=tuple(layers))
+
+
+def tiered(plan: OffloadPlan, host_budget: int, tokens: int, read_ahead: int) -> tuple[int, float] | None:
+    """(host bytes, step seconds) of `plan` within `host_budget`, or None when it cannot."""
+    workload = Workload(tokens_per_step=tokens)
+    if plan.host_bytes <= host_budget:
+        return plan.host_bytes, estimate(plan, TOY, workload).step_seconds
+    if plan.backend is not Backend.PREFETCH:
+        return None
+    try:
+        tier = plan_disk_tier(plan, host_budget_bytes=host_budget, disk_gbps=DISK_GBPS, read_ahead=read_ahead)
+    except PlanError:
+        return None
+    return tier.host_bytes, estimate_with_tier(plan, tier, TOY, workload).step_seconds
+
+
+def configs(spec: ModelSpec, env: EnvSnapshot) -> list[OffloadConfig]:
+    layers = len(spec.layers)
+    found = [OffloadConfig(backend="none")]
+    found += [OffloadConfig(backend="prefetch", group_size=g, num_in_group=k, prefetch_step=d)
+              for g in range(1, layers + 1) for k in range(1, g + 1) for d in range(1, layers + 1)]
+    every = make_plan(spec, OffloadConfig(backend="uva", uva_max_bytes=1 << 60), planning_env(env, TOY))
+    prefix = 0
+    for p in every.params:
+        if p.offloaded and p.tied_to is None and p.nbytes:
+            prefix += p.nbytes
+            found.append(OffloadConfig(backend="uva", uva_max_bytes=prefix))
+    return found
+
+
+def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host_budget: int,
+           read_ahead: int = 2) -> list[tuple[float, int, OffloadConfig]]:
+    """(step, host bytes, config) of every configuration meeting both budgets."""
+    penv = planning_env(env, TOY)
+    out = []
+    for config in configs(spec, env):
+        need, _ = device_bytes(penv, config, spec, tokens, 0)
+        if need > device_budget:
+            continue
+        found = tiered(make_plan(spec, config, penv), host_budget, tokens, read_ahead)
+        if found is not None:
+            out.append((found[1], found[0], config))
+    return out
+
+
+def run(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host_budget: int,
+        read_ahead: int = 2) -> TierFit:
+    return fit_with_tier(spec, env, TOY, Workload(tokens_per_step=tokens), device_budget,
+                         host_budget_bytes=host_budget, disk_gbps=DISK_GBPS, read_ahead=read_ahead,
+                         max_prefetch_step=MAX_STEP)
+
+
+def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float, host: float,
+                  read_ahead: int) -> None:
+    """Both budgets (fractions of the model's bytes) against the oracle (the module docstring)."""
+    device_budget, host_budget = int(spec.nbytes * device), int(spec.nbytes * host)
+    meeting = oracle(spec, env, tokens, device_budget, host_budget, read_ahead)
+    if not meeting:
+        with pytest.raises(PlanError) as caught:
+            run(spec, env, tokens, device_budget, host_budget, read_ahead)
+        if caught.value.name != "host_budget_bytes":
+            event("nothing fits the device")
+            return  # nothing fits the device at all: fit's own refusal
+        event("refused for the host budget")
+        # The named budgets work: each with the other budget as given.
+        message = caught.value.message
+        least_host = int(message.split("the least host budget is ")[1].split("(")[1].split(" bytes")[0])
+        least_device = int(message.split("the least device budget is ")[1].split("(")[1].split(" bytes")[0])
+        assert least_host > host_budget and least_device > device_budget
+        assert oracle(spec, env, tokens, device_budget, least_host, read_ahead)
+        assert oracle(spec, env, tokens, least_device, host_budget, read_ahead)
+        # And they are the least: a byte less meets neither.
+        assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead)
+        assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead)
+        run(spec, env, tokens, device_budget, least_host, read_ahead)
+        run(spec, env, tokens, least_device, host_budget, read_ahead)
+        return
+    result = run(spec, env, tokens, device_budget, host_budget, read_ahead)
+    best = min(step for step, _, _ in meeting)
+    assert result.fit.chosen.step_seconds == pytest.approx(best, rel=1e-9)
+    plan, tier = result.fit.plan, result.tier
+    # The plan meets both budgets by its own numbers.
+    assert result.fit.chosen.device_bytes <= device_budget
+    assert (tier.host_bytes if tier is not None else plan.host_bytes) <= host_budget
+    assert result.fit.chosen.host_bytes == (tier.host_bytes if tier is not None else plan.host_bytes)
+    # Its estimate is the tier's, exactly as estimate_with_tier gives it.
+    expected = estimate_with_tier(plan, tier, TOY, Workload(tokens_per_step=tokens)) if tier is not None else \
+        estimate(plan, TOY, Workload(tokens_per_step=tokens))
+    assert result.fit.estimate == expected
+    event(f"{plan.backend.value}, {'a disk tier' if tier is not None else 'no disk tier'}")
+    if tier is not None:
+        assert plan.backend is Backend.PREFETCH
+        assert result.fit.chosen.disk_positions == tier.disk_positions
+
+
+@settings(max_examples=120, deadline=None)
+@given(spec=st.one_of(SPECS, weighty_specs()), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1),
+       host=st.floats(0.0, 1.1), read_ahead=st.sampled_from([1, 2]))
+def test_any_pair_of_budgets_some_plan_meets_gets_the_fastest_such_plan(spec: ModelSpec, env: EnvSnapshot,
+                                                                        tokens: int, device: float,
+                                                                        host: float, read_ahead: int) -> None:
+    check_budgets(spec, env, tokens, device, host, read_ahead)
+
+
+@settings(max_examples=120, deadline=None)
+@given(spec=weighty_specs(min_layers=4), env=ENVS, tokens=TOKENS, device=st.floats(0.3, 1.0),
+       host=st.floats(0.35, 0.95), read_ahead=st.sampled_from([1, 2]))
+def test_budgets_where_disk_tiers_are_the_answer(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
+                                                 host: float, read_ahead: int) -> None:
+    # Several layers, and host budgets below the offloaded bytes but above a ring: the
+    # region where the chosen plan runs with a disk tier.
+    check_budgets(spec, env, tokens, device, host, read_ahead)
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=SPECS, env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1))
+def test_a_host_budget_that_holds_everything_changes_nothing(spec: ModelSpec, env: EnvSnapshot, tokens: int,
+                                                             device: float) -> None:
+    budget = int(spec.nbytes * device)
+    try:
+        plain = fit(spec, env, TOY, Workload(tokens_per_step=tokens), budget, max_prefetch_step=MAX_STEP)
+    except PlanError:
+        return
+    roomy = run(spec, env, tokens, budget, spec.nbytes + (1 << 20))
+    assert roomy.tier is None
+    assert roomy.fit.chosen == plain.chosen
+    assert roomy.fit.plan == plain.plan
