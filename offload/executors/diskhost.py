@@ -17,8 +17,11 @@ not an fd per tensor. So `DiskHost` is the store's `HostSource` for the disk par
   file instead, and logged: the checkpoint would give the layer other weights);
 - any other one is written once to the spill file and mapped from there.
 
-The copies are not writable (`load_weights` and ``load_state_dict`` refuse them, naming
-the weight), and not counted as host memory (`HostStore.nbytes`).
+The copies are not written in place, and not counted as host memory (`HostStore.nbytes`).
+New weights for a disk parameter (`load_weights`) are written to the spill file, and that
+copy replaces the old one (`new_copy`, then `HostStore.put`, which asks `copy`): the disk
+reads come from there from then on. Without a spill directory they are refused, naming
+the weight. The checkpoint is never written.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class DiskHost:
         self._sources: dict[Ref, tuple[Source, int]] = {}
         self._ours: set[int] = set()  # data pointers of the copies handed out
         self._spans: dict[Ref, tuple[torch.Tensor, int, int]] = {}  # ref -> its copy, where its bytes lie
+        self._new: dict[int, tuple[Ref, torch.Tensor, tuple[Source, int]]] = {}  # data_ptr -> a copy `new_copy` made
         self.mapped_bytes = 0  # bytes mapped from the checkpoint
         self.spilled_bytes = 0  # bytes written to the spill file
 
@@ -112,6 +116,11 @@ class DiskHost:
         p = self._params.get(ref)
         if p is None:
             return None
+        new = self._new.pop(tensor.data_ptr(), None) if tensor.numel() else None
+        if new is not None:
+            if new[0] == ref and new[1] is tensor:
+                return self._keep(p, tensor, new[2])  # a copy `new_copy` made for it: taken as it is
+            self._new[tensor.data_ptr()] = new
         data = tensor.detach()
         if data.device.type != "cpu":
             data = data.cpu()
@@ -153,9 +162,63 @@ class DiskHost:
         return not (host.numel() and host.data_ptr() in self._ours)
 
     def read_only_reason(self, host: torch.Tensor) -> str:
-        """A disk parameter's bytes are read from its file."""
-        return ("it is a disk-tier weight, read from its file at every step: restore() the model, give it the new "
-                "weights, and offload it again")
+        """A disk parameter's bytes are read from its file: new ones go to the spill file
+        (`new_copy`), which needs a spill directory."""
+        if self._spill_dir is not None:
+            return "it is a disk-tier weight, read from its file at every step: give it new values with load_weights"
+        return ("it is a disk-tier weight, read from its file at every step: its new values are written to the "
+                "spill file, and no spill_dir was given (pass spill_dir= to offload_model, offload_pretrained or "
+                "create_offloader)")
+
+    # ---- new weights --------------------------------------------------------------------
+
+    @property
+    def takes_new_weights(self) -> bool:
+        """Whether new values for a disk parameter can be written (a spill directory was given)."""
+        return self._spill_dir is not None
+
+    def new_copy(self, ref: Ref, values: torch.Tensor) -> torch.Tensor:
+        """Disk parameter `ref`'s new `values` (a host tensor with its copy's dtype, shape
+        and strides) written to the spill file (made now if the tier had none), as a copy
+        over it that nothing uses yet: `HostStore.put` makes it `ref`'s copy (and
+        `sources` then points at it), `drop_new` forgets it.
+
+        Raises:
+            ExecutionError: `ref` is not a disk parameter, no spill directory was given
+                (naming `ref` and ``spill_dir``), or the write failed (a full disk:
+                nothing of it is kept, the old copy and the spill file are as they were).
+        """
+        p = self._params.get(ref)
+        if p is None:
+            raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r} is not on the disk tier", name=ref[1],
+                                 value=ref[0])
+        if self._spill_dir is None:
+            raise ExecutionError(f"layer {p.layer} parameter {p.name!r} cannot take new weights: "
+                                 f"{self.read_only_reason(values)}", name=p.name, value=p.layer)
+        if self._spill is None:
+            self._spill = self._make_spill(self._spill_dir)
+        spill = self._spill
+        offset, length = spill.append(values)
+        self.spilled_bytes += length
+        self._unflushed += length
+        host = _typed(spill.map(offset, length), values) if length else torch.empty_like(values)
+        if host.numel():
+            self._new[host.data_ptr()] = (ref, host, (spill.read_fd, offset))
+        return host
+
+    def drop_new(self, host: torch.Tensor) -> None:
+        """Forget a copy `new_copy` made and nobody took (its bytes stay unused in the spill file)."""
+        if host.numel():
+            self._new.pop(host.data_ptr(), None)
+
+    def flush(self) -> None:
+        """The spill file's bytes written since the last flush written back, and out of the
+        page cache.
+
+        Raises:
+            ExecutionError: the write-back failed (the spill file stays open).
+        """
+        self._flush()
 
     def counted(self, host: torch.Tensor) -> bool:
         """A copy in a file takes no host memory."""
@@ -195,6 +258,7 @@ class DiskHost:
         self._close_checkpoints()
         self._sources.clear()
         self._spans.clear()
+        self._new.clear()
         self._unflushed = 0
 
     # ---- helpers ------------------------------------------------------------------------

@@ -8,6 +8,9 @@ copy. Here each tensor goes where the weight really lives:
 
 - an offloaded parameter: into its host copy, in place (a tie's one copy, so ties stay
   ties; each view of a fused weight into its own copy);
+- a disk-tier parameter (`NewCopies`: its host copy lies in a file and is not written in
+  place): to the spill file, whose copy replaces the old one; the disk reads come from
+  there from then on (`offload.executors.prefetch.disk.DiskStream.replace`);
 - a resident parameter or a buffer of the layers: into it, in place.
 
 Nothing is allocated but what torch needs to convert a tensor of another dtype or device
@@ -31,7 +34,7 @@ and tells the executor its buffers must follow.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import attrs
 import torch
@@ -47,14 +50,33 @@ from offload.protocols import Runtime
 from offload.pure.plan.plan import OffloadPlan, ParamPlan
 from offload.pure.units import format_bytes
 
-__all__ = ["Loaded", "Weights", "begin_load", "log_loaded", "refuse_read_only", "route_state_dict_loads",
-           "write_weights"]
+__all__ = ["Loaded", "NewCopies", "Weights", "begin_load", "log_loaded", "refuse_read_only",
+           "route_state_dict_loads", "write_weights"]
 
 log = logger("offload.load")
 
 #: What `load_weights` takes: a mapping of names to tensors (a state dict) or an
 #: iterable of (name, tensor) pairs (a checkpoint read one tensor at a time).
 Weights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class NewCopies(Protocol):
+    """Host copies that take new values as a new copy, not in place: the disk tier's,
+    which lie in their files (`offload.executors.prefetch.disk.DiskStream`)."""
+
+    def takes(self, ref: tuple[int, str]) -> bool:
+        """Whether `ref`'s host copy takes new values this way."""
+        ...
+
+    def refusal(self, ref: tuple[int, str]) -> str | None:
+        """Why `ref` cannot take new values (for the message that refuses them), or None."""
+        ...
+
+    def replace(self, store: HostStore, items: Sequence[tuple[tuple[int, str], torch.Tensor]]) -> None:
+        """Give each ref of `items` a new host copy in `store` holding its tensor's values
+        (converted as ``copy_`` converts), and read it from there from now on: all of
+        them, or (raising `ExecutionError`) none."""
+        ...
 
 
 @attrs.frozen(kw_only=True)
@@ -78,11 +100,13 @@ class Loaded:
 @attrs.frozen
 class _Target:
     """Where one named tensor goes: `dest` (a host copy or the live tensor), and whether
-    it is a host copy."""
+    it is a host copy; `renew`: the owner of a host copy that takes new values as a new
+    copy (`NewCopies`), not in place."""
 
     name: str
     dest: torch.Tensor | None  # None: left to the process that writes it (`skip_read_only`)
     host: bool
+    renew: tuple[int, str] | None = None
 
 
 def begin_load(state: Lifecycle, runtime: Runtime) -> None:
@@ -109,11 +133,13 @@ def log_loaded(loaded: Loaded) -> None:
 
 
 def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Module], store: HostStore, *,
-                  prefix: str = "", skip_read_only: bool = False) -> Loaded:
+                  prefix: str = "", skip_read_only: bool = False, new_copies: NewCopies | None = None) -> Loaded:
     """Write every tensor of `weights` where its weight lives (see the module docstring).
 
     A mapping is checked whole before anything is written, so a bad name or shape
-    changes nothing; pairs from an iterable are checked and written one at a time.
+    changes nothing, and its weights with `new_copies` are written first, all or none
+    (a full spill disk leaves the model as it was); pairs from an iterable are checked
+    and written one at a time.
 
     Args:
         weights: names and tensors.
@@ -122,7 +148,11 @@ def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Modul
         store: the host copies.
         prefix: what every name starts with (stripped before the layer index).
         skip_read_only: leave out (do not refuse) offloaded weights whose host copy this
-            process maps read-only: a follower of a sharing group, whose leader writes them.
+            process maps read-only: a follower of a sharing group, whose leader writes them;
+            and the disk tier's (an engine's loader leaves them to the checkpoint they are
+            mapped from).
+        new_copies: the host copies that take new values as new copies (the disk tier's);
+            None: there are none.
 
     Returns:
         How many tensors went where (and how many were left to another process), and
@@ -132,18 +162,24 @@ def write_weights(weights: Weights, plan: OffloadPlan, layers: Sequence[nn.Modul
         ExecutionError: a name that is not a parameter or buffer of the layers (or lacks
             `prefix`), a tensor of another shape, on meta, or not a tensor, or a copy that
             failed, or an offloaded weight whose host copy this process maps read-only
-            (shared with others: `HostStore.writable`); ``name`` is the tensor's name. For
-            an iterable, the message says how many were written before.
+            (shared with others: `HostStore.writable`), or a disk-tier weight that cannot
+            take new values (no spill directory: `NewCopies.refusal`); ``name`` is the
+            tensor's name. A failed write of new copies (a full spill disk: ``name`` is
+            ``spill_dir``, ``value`` the error) keeps the old ones. For an iterable, the
+            message says how many were written before.
     """
     offloaded = {(p.layer, p.name): p for p in plan.offloaded_params}
     if isinstance(weights, Mapping):
-        targets = [(_target(name, tensor, layers, offloaded, store, prefix, skip_read_only), tensor)
+        targets = [(_target(name, tensor, layers, offloaded, store, prefix, skip_read_only, new_copies), tensor)
                    for name, tensor in weights.items()]
         total = sum(_nbytes(tensor) for target, tensor in targets if target.dest is not None)
-        return _write(targets, Progress("loading weights", total), streamed=False)
-    pairs = ((_target(name, tensor, layers, offloaded, store, prefix, skip_read_only), tensor)
+        # The weights taking new copies first, all or none: nothing else is written if they fail.
+        targets.sort(key=lambda item: item[0].renew is None)
+        return _write(targets, Progress("loading weights", total), streamed=False, store=store,
+                      new_copies=new_copies)
+    pairs = ((_target(name, tensor, layers, offloaded, store, prefix, skip_read_only, new_copies), tensor)
              for name, tensor in _pairs(weights))
-    return _write(pairs, Progress("loading weights", 0), streamed=True)
+    return _write(pairs, Progress("loading weights", 0), streamed=True, store=store, new_copies=new_copies)
 
 
 def _pairs(weights: Iterable[object]) -> Iterable[tuple[object, torch.Tensor]]:
@@ -156,13 +192,39 @@ def _pairs(weights: Iterable[object]) -> Iterable[tuple[object, torch.Tensor]]:
         yield item[0], item[1]
 
 
-def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, *, streamed: bool) -> Loaded:
+def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, *, streamed: bool,
+           store: HostStore, new_copies: NewCopies | None) -> Loaded:
     host = in_place = skipped = nbytes = 0
+    batch: list[tuple[_Target, torch.Tensor]] = []  # a mapping's weights taking new copies, written as one
+
+    def renew(items: Sequence[tuple[_Target, torch.Tensor]]) -> None:
+        nonlocal host, nbytes
+        if new_copies is None or not items:
+            return
+        try:
+            new_copies.replace(store, [(target.renew, tensor) for target, tensor in items if target.renew is not None])
+        except ExecutionError as exc:
+            names = ", ".join(repr(target.name) for target, _ in items[:3]) + (", ..." if len(items) > 3 else "")
+            raise ExecutionError(f"load_weights: writing the new values of {names} to the spill file failed, they "
+                                 f"keep their old ones: {exc}", name=exc.name, value=exc.value) from exc
+        for _, tensor in items:
+            host += 1
+            nbytes += _nbytes(tensor)
+            progress.advance(_nbytes(tensor))
+
     try:
         for target, tensor in targets:
             if target.dest is None:
                 skipped += 1
                 continue
+            if target.renew is not None:
+                if streamed:
+                    renew([(target, tensor)])
+                else:
+                    batch.append((target, tensor))
+                continue
+            renew(batch)
+            batch = []
             try:
                 with torch.no_grad():
                     target.dest.copy_(tensor)
@@ -173,6 +235,7 @@ def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, 
             in_place += not target.host
             nbytes += _nbytes(tensor)
             progress.advance(_nbytes(tensor))
+        renew(batch)
     except ExecutionError as exc:
         written = host + in_place
         if not streamed and not written:
@@ -185,7 +248,7 @@ def _write(targets: Iterable[tuple[_Target, torch.Tensor]], progress: Progress, 
 
 
 def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded: Mapping[tuple[int, str], ParamPlan],
-            store: HostStore, prefix: str, skip_read_only: bool) -> _Target:
+            store: HostStore, prefix: str, skip_read_only: bool, new_copies: NewCopies | None) -> _Target:
     """Where `tensor`, named `name`, goes; every check made before anything is written."""
     if not isinstance(name, str):
         raise ExecutionError(f"load_weights: a name must be a str, got {name!r}", name=str(name), value=name)
@@ -224,9 +287,16 @@ def _target(name: object, tensor: object, layers: Sequence[nn.Module], offloaded
         raise ExecutionError(f"load_weights: {name!r} is {tuple(tensor.shape)}, the model's is {tuple(dest.shape)}",
                              name=name, value=tuple(tensor.shape))
     if entry is not None and owner is not None and not store.writable(owner):
-        if not skip_read_only:
-            refuse_read_only(store, [owner], "load_weights")
-        return _Target(name=name, dest=None, host=True)
+        if skip_read_only:
+            return _Target(name=name, dest=None, host=True)
+        if new_copies is not None and new_copies.takes(owner):
+            refusal = new_copies.refusal(owner)
+            if refusal is not None:
+                raise ExecutionError(f"load_weights: {name!r} (layer {owner[0]} parameter {owner[1]!r}) cannot take "
+                                     f"new weights: {refusal}", name=name, value=owner[0])
+            return _Target(name=name, dest=dest, host=True, renew=owner)
+        refuse_read_only(store, [owner], "load_weights")
+        return _Target(name=name, dest=None, host=True)  # (not reached: refused)
     return _Target(name=name, dest=dest, host=entry is not None)
 
 

@@ -66,7 +66,9 @@ class StagingRing:
         self._layer_of = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
         self._buffer_of = {position: tier.staging[k] for k, position in enumerate(tier.read_order)}
         layout = staging_layout(tier)
-        self._reads: dict[int, list[tuple[Ref, Source, int, int, int]]] = {}  # layer -> (ref, file, at, offset, n)
+        self._params: dict[int, list[tuple[Ref, Source, int, int, int]]] = {}  # position -> (ref, file, at, offset, n)
+        self._reads: dict[int, list[tuple[Ref, Source, int, int, int]]] = {}  # the same, runs merged into one read
+        self._position_of: dict[Ref, int] = {}  # each disk parameter's position
         self._views: dict[int, dict[Ref, torch.Tensor]] = {}
         for position, layer in self._layer_of.items():
             params = [p for p in tier.params if p.layer == layer]
@@ -81,6 +83,8 @@ class StagingRing:
                 spec = specs[ref]
                 raw = buffer[offset:offset + p.nbytes]
                 views[ref] = raw.view(torch_dtype(spec.dtype)).as_strided(spec.shape, spec.stride)
+            self._params[position] = reads
+            self._position_of.update((ref, position) for ref, *_ in reads)
             self._reads[position] = _merged(reads)
             self._views[position] = views
         self._holds: list[int | None] = [None] * len(self._buffers)  # the position each buffer holds (or is reading)
@@ -133,6 +137,32 @@ class StagingRing:
             raise ExecutionError(f"disk position {position}: its reads could not start: {exc}", name="reader",
                                  value=position) from exc
         self._pending[position] = submitted
+
+    def move(self, moved: Mapping[Ref, tuple[Source, int]]) -> None:
+        """Disk parameters whose bytes now lie elsewhere (new weights, written to the spill
+        file): each is read from its new (file, offset) from now on, and a buffer that holds
+        (or is reading) a position of one of them is read again, after the reads still in
+        flight into it (call with no device copy out of it in flight).
+
+        Raises:
+            ExecutionError: a parameter is not a disk parameter here, or a read could not be
+                submitted (the reader is closed).
+        """
+        touched: set[int] = set()
+        for ref, (source, at) in moved.items():
+            position = self._position_of.get(ref)
+            if position is None:
+                raise ExecutionError(f"disk parameter {ref[1]!r} of layer {ref[0]} is not in the staging ring",
+                                     name=ref[1], value=ref[0])
+            self._params[position] = [(r, source, at, offset, n) if r == ref else (r, file, was, offset, n)
+                                      for r, file, was, offset, n in self._params[position]]
+            touched.add(position)
+        for position in sorted(touched):
+            self._reads[position] = _merged(self._params[position])
+            if self.holds(position):  # the old bytes: read it again
+                self._settle(self._pending.pop(position, []))
+                self._holds[self._buffer_of[position]] = None
+                self.stage(position)
 
     def copied(self, position: int, wait: Callable[[], object]) -> None:
         """A device copy out of `position`'s buffer was issued; `wait` blocks until it is

@@ -2,7 +2,8 @@
 copies deferred until waited for (a played GPU: a staging buffer refilled before the copy
 out of it ran would give a layer another layer's weights), layers out of order, a read
 that fails and then works again, a checkpoint file changed after planning, a full spill
-disk, new weights for disk layers, CUDA graph capture, and a tier that is not the plan's."""
+disk, CUDA graph capture, and a tier that is not the plan's (new weights for disk layers:
+`tests/executors/test_disk_new_weights.py`)."""
 
 from __future__ import annotations
 
@@ -187,27 +188,6 @@ def test_a_full_spill_disk_leaves_the_model_as_it_was_and_nothing_on_disk(tmp_pa
     assert _equal(step_logits(model), want)
     offloader.restore()
     assert list(spill_dir.iterdir()) == []
-
-
-def test_new_weights_for_a_disk_layer_are_refused_and_for_a_host_layer_taken(tmp_path: Path) -> None:
-    model = build_model("llama")
-    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
-    plan, tier, layers = plan_tier(model, checkpoint)
-    offloader = wrap(model, layers, plan, tier, CpuRuntime(), tmp_path)
-    inner = offloader.inner
-    on_disk = tier.disk_layers[0]
-    on_host = next(layer for layer in plan.offloaded_layers if layer not in set(tier.disk_layers))
-    name = "mlp.up_proj.weight"
-    shape = layers[on_disk].get_parameter(name).shape
-    with pytest.raises(ExecutionError, match=f"layer {on_disk} parameter '{name}'.*disk-tier weight"):
-        inner.load_weights({f"{on_disk}.{name}": torch.zeros(shape)})
-    with pytest.raises(ExecutionError, match="disk-tier weight"):
-        model.load_state_dict(model.state_dict())
-    changed = build_model("llama", seed=1)
-    new = changed.model.layers[on_host].mlp.up_proj.weight.detach().clone()
-    inner.load_weights({f"{on_host}.{name}": new})
-    offloader.restore()
-    assert torch.equal(layers[on_host].get_parameter(name), new)
 
 
 def test_a_cuda_graph_capture_is_refused(tmp_path: Path) -> None:

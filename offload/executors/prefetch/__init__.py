@@ -76,9 +76,16 @@ Note [conversions]
 Note [new weights]
     New weights go into the host copies, never into a slot: `load_weights` writes them
     there, and ``load_state_dict`` is routed there (each holder's parameters point at
-    their host copies while torch writes them). Then the slots are refilled: the next
-    forward begins a new step, without counting a realignment. A write into a slot
-    itself (``param.copy_()``) is refused at the next forward (its version counter).
+    their host copies while torch writes them). A disk weight's host copy lies in its
+    file and is not written in place: its new values go to the spill file (for
+    ``load_state_dict``, torch writes a host tensor that the holder's post-hook spills),
+    that copy replaces the old one, the staging ring reads it from there, and a buffer
+    already holding the old bytes is read again; all of a mapping's disk weights are
+    written and flushed before any is taken, so a full spill disk leaves the old ones.
+    Without a spill directory they are refused, naming the weight. Then the slots are
+    refilled: the next forward begins a new step, without counting a realignment. A write
+    into a slot itself (``param.copy_()``) is refused at the next forward (its version
+    counter).
 
 Note [compiled then eager]
     The eager check before each run compares each offloaded parameter's version counter
@@ -102,10 +109,12 @@ Note [disk tier]
     copy that finds the wrong position in its buffer reads its own first, so every order
     of layers (realignment included) copies the right weights. A failed read fails the
     copy (the position then has nothing in flight and realigns: the next forward reads
-    it again). The disk parameters' host copies are private mappings of their files
-    (`offload.executors.diskhost`), for the cold paths only (restore, ``state_dict``, the
-    live check); they are not written (`load_weights` refuses them). CUDA graph capture
-    is refused: the reads between the copies are not part of a graph.
+    it again). The disk parameters' host copies are views over private mappings of their
+    files (`offload.executors.diskhost`; a file mapped whole, or in segments, and open
+    once: not an fd per tensor), for the cold paths only (restore, ``state_dict``, the
+    live check); they are not written in place (new weights go to the spill file: Note
+    [new weights]). CUDA graph capture is refused: the reads between the copies are not
+    part of a graph.
 """
 
 from offload.executors.prefetch.offloader import PrefetchOffloader

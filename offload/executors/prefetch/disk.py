@@ -67,6 +67,18 @@ def _refuse_changed_files(tier: DiskTierPlan, when: str) -> None:
                              "again from the checkpoint as it is", name="path", value=path)
 
 
+def _like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`values` as a host tensor with `like`'s dtype, shape and strides (itself when it is
+    one already), converted as ``copy_`` converts."""
+    data = values.detach()
+    if data.device.type == "cpu" and data.dtype == like.dtype and data.shape == like.shape and \
+            data.stride() == like.stride():
+        return data
+    out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+    out.copy_(data)
+    return out
+
+
 @attrs.frozen(kw_only=True)
 class DiskIO:
     """How a disk tier reads and spills: made here, injected by tests (failing reads, a
@@ -171,6 +183,58 @@ class DiskStream:
         if before is not param or param.data_ptr() != copy.data_ptr():
             return False  # replaced since: the storage check sees it (or it was copied again already)
         return ref in self._written or param._version != version or copy._version != copy_version
+
+    # ---- new weights (`offload.executors.reload.NewCopies`) -------------------------------
+
+    def takes(self, ref: Ref) -> bool:
+        """Whether `ref` is a disk parameter (its copy lies in a file: new values go to the
+        spill file)."""
+        return self.host.claims(ref)
+
+    def refusal(self, ref: Ref) -> str | None:
+        """Why disk parameter `ref` cannot take new values: no spill directory; else None."""
+        if self.host.takes_new_weights:
+            return None
+        return ("it is a disk-tier weight, read from its file at every step, and its new values would be written "
+                "to the spill file, but no spill_dir was given: pass spill_dir= (offload_model, offload_pretrained, "
+                "create_offloader) to give disk-tier layers new weights")
+
+    def replace(self, store: HostStore, items: Sequence[tuple[Ref, torch.Tensor]]) -> None:
+        """New values for disk parameters (Note [new weights]): each converted to its
+        copy's dtype and layout (one at a time: at most one tensor in host memory), written
+        to the spill file, the file written back; then each becomes its parameter's copy in
+        `store` and the staging ring reads it from there (a buffer holding the old bytes is
+        read again). Call with no device copy in flight. The checkpoint is never written.
+
+        Raises:
+            ExecutionError: no spill directory, a copy missing, or the write failed (a full
+                disk): nothing is replaced, and the model reads its old weights as before.
+        """
+        made: list[tuple[Ref, torch.Tensor]] = []
+        try:
+            for ref, values in items:
+                old = store.get(ref)
+                if old is None:
+                    raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r} has no host copy", name=ref[1],
+                                         value=ref[0])
+                try:
+                    fresh = _like(values, old)
+                except RuntimeError as exc:
+                    raise ExecutionError(f"layer {ref[0]} parameter {ref[1]!r}: converting its new values failed: "
+                                         f"{exc}", name=ref[1], value=ref[0]) from exc
+                made.append((ref, self.host.new_copy(ref, fresh)))
+                del fresh
+            self.host.flush()
+        except BaseException:
+            for _, copy in made:
+                self.host.drop_new(copy)
+            raise
+        for ref, copy in made:
+            store.put(ref, copy)  # the store asks the disk host, which takes the copy it made
+        if self._ring is not None and made:
+            sources = self.host.sources
+            self._ring.move({ref: sources[ref] for ref, _ in made})
+        log.debug("%d disk-tier weights took new values: written to the spill file, read from there", len(made))
 
     def start(self, plan: OffloadPlan, rt: Runtime) -> None:
         """At post_init (`plan` as revised): check the files and the tier, allocate the

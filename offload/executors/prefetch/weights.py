@@ -5,14 +5,15 @@ what post_init bound (`offload.executors.bound`), conversions made on the host c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from offload.errors import ExecutionError
 from offload.executors.bound import compile_check
-from offload.executors.common import normal_tensors, patch_forward
+from offload.executors.common import Ref, find_parameter, normal_tensors, patch_forward
 from offload.executors.conversions import converting_apply, same_memory
 from offload.executors.lifecycle import Lifecycle
 from offload.executors.prefetch.forward import ForwardPath
@@ -35,6 +36,9 @@ class NewWeights(ForwardPath):
         self._convert_from = {}
         self._held = {}
         self._entries_of = {}
+        # Disk parameters ``load_state_dict`` is writing (`_route_begin`): id -> (the
+        # Parameter, its owner, the host tensor it points at meanwhile, its version then).
+        self._renewing: dict[int, tuple[nn.Parameter, Ref, torch.Tensor, int]] = {}
         for p, param in bound:
             prefix, _, leaf = p.name.rpartition(".")
             holder = self._layers[p.layer].get_submodule(prefix) if prefix else self._layers[p.layer]
@@ -110,14 +114,33 @@ class NewWeights(ForwardPath):
                 `write_weights`; a mapping is checked whole before anything is written).
         """
         begin_load(self._state, self._rt)
+        disk = self._disk
+        before = {(p.layer, p.name): self._host.get((p.layer, p.name)) for p in disk.tier.params} if disk else {}
         try:
             loaded = write_weights(weights, self._plan, self._layers, self._host, prefix=prefix,
-                                   skip_read_only=skip_read_only)
+                                   skip_read_only=skip_read_only, new_copies=disk)
         except BaseException:
+            self._point_at_new_copies(before)
             self._reloaded()  # what was written is what the model computes with
             raise
+        self._point_at_new_copies(before)
         self._reloaded()
         log_loaded(loaded)
+
+    def _point_at_new_copies(self, before: Mapping[Ref, torch.Tensor | None]) -> None:
+        """Before post_init the offloaded parameters point at their host copies: those of
+        disk parameters that took new copies (`before`: the copies they had) point at the
+        new ones (post_init would otherwise take the old one back as replaced data)."""
+        if self._state is not Lifecycle.WRAPPED or not before:
+            return
+        for p in self._plan.offloaded_params:
+            owner = p.tied_to or (p.layer, p.name)
+            old, new = before.get(owner), self._host.get(owner)
+            if old is None or new is None or new is old or not old.numel():
+                continue
+            param = find_parameter(self._layers[p.layer], p.name)
+            if param is not None and param.numel() and param.data_ptr() == old.data_ptr():
+                param.data = new
 
     def _route_begin(self, holder: nn.Module) -> None:
         """``load_state_dict`` reaches `holder`: point its offloaded parameters at their
@@ -127,10 +150,25 @@ class NewWeights(ForwardPath):
         if entry is None or self._state is not Lifecycle.READY:
             return  # before post_init the parameters point at their host copies already
         live = [(param, owner) for leaf, param, owner, *_ in entry[1] if holder._parameters.get(leaf) is param]
-        refuse_read_only(self._host, (owner for _, owner in live), "load_state_dict")
+        disk = self._disk
+        renew = {id(param) for param, owner in live if disk is not None and disk.takes(owner)}
+        for param, owner in live:
+            refusal = disk.refusal(owner) if disk is not None and id(param) in renew else None
+            if refusal is not None:
+                raise ExecutionError(f"load_state_dict: layer {owner[0]} parameter {owner[1]!r} cannot take new "
+                                     f"weights: {refusal}", name=owner[1], value=owner[0])
+        refuse_read_only(self._host, (owner for param, owner in live if id(param) not in renew), "load_state_dict")
         self._rt.synchronize()  # copies in flight read the host copies about to be written
         for param, owner in live:
-            param.data = self._host_of(owner)
+            host = self._host_of(owner)
+            if id(param) in renew:
+                # A disk copy is not written in place: torch writes a host tensor holding its
+                # values (so a load that stops part way leaves them), `_route_end` spills it.
+                values = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype)
+                values.copy_(host)
+                self._renewing[id(param)] = (param, owner, values, param._version)
+                host = values
+            param.data = host
 
     def _route_end(self, holder: nn.Module) -> None:
         """`holder`'s part of ``load_state_dict`` is done: its parameters point at their
@@ -139,9 +177,19 @@ class NewWeights(ForwardPath):
         entry = self._held.get(id(holder))
         if entry is None or self._state is not Lifecycle.READY:
             return
+        renewing = [self._renewing.pop(id(param)) for _, param, *_ in entry[1] if id(param) in self._renewing]
+        written = [(owner, values) for param, owner, values, version in renewing
+                   if param._version != version and same_memory(param.data, values)]
+        failed: ExecutionError | None = None
+        if written and self._disk is not None:
+            try:
+                self._disk.replace(self._host, written)  # new copies in the spill file (Note [new weights])
+            except ExecutionError as exc:
+                failed = exc
         changed: set[int] = set()
         for leaf, param, owner, slot in entry[1]:
-            if holder._parameters.get(leaf) is param and same_memory(param.data, self._host_of(owner)):
+            if holder._parameters.get(leaf) is param and (same_memory(param.data, self._host_of(owner)) or any(
+                    same_memory(param.data, values) for _, _, values, _ in renewing)):
                 param.data = slot
                 for position, index in self._entries_of[id(param)]:  # every name it has (a tie)
                     params, name, _, pointer, _ = self._bound[position][index]
@@ -153,6 +201,10 @@ class NewWeights(ForwardPath):
         for cycle in {self._cycle_of[position] for position in changed}:
             self._reload_due.add(cycle)
             self._expected[cycle] = -1
+        if failed is not None:
+            raise ExecutionError(f"load_state_dict: the new values of {len(written)} disk-tier weights could not be "
+                                 f"written to the spill file, they keep their old ones: {failed}", name=failed.name,
+                                 value=failed.value) from failed
 
     def _reloaded(self) -> None:
         """After host copies were written: accept the parameters' version counters as
