@@ -53,7 +53,8 @@ _MAX_PASSES = 48
 _MAX_PERIOD = 4
 _REL_TOL = 1e-9
 def layer_compute_seconds(
-    numels: Sequence[int], weight_bytes: Sequence[int], profile: DeviceProfile, workload: Workload
+    numels: Sequence[int], weight_bytes: Sequence[int], profile: DeviceProfile, workload: Workload,
+    stack_ranges: tuple[tuple[int, int], ...] = (),
 ) -> tuple[float, ...]:
     """Each layer's resident compute time, seconds.
 
@@ -61,7 +62,9 @@ def layer_compute_seconds(
         numels: parameters (elements) per layer; FLOPs are ``2 x numel x tokens``.
         weight_bytes: bytes of weights each layer reads (tied storage once per layer).
         profile: throughput and weight-read rate.
-        workload: tokens per step, and a measured resident step time if there is one.
+        workload: tokens per step (per stack, `Workload.stack_tokens`), and a measured
+            resident step time if there is one.
+        stack_ranges: the layers' stacks (`ModelSpec.stack_ranges`), for `stack_tokens`.
 
     Returns:
         Per layer: with a measured step time, that time x numel / total numel (evenly when
@@ -73,12 +76,12 @@ def layer_compute_seconds(
         if total == 0:
             return tuple(measured / len(numels) for _ in numels)
         return tuple(measured * n / total for n in numels)
-    tokens = workload.tokens_per_step
+    tokens = workload.tokens_by_layer(stack_ranges, len(numels))
     flops = profile.bf16_flops_per_s
     read = profile.weight_read_bytes_per_s
     return tuple(
-        max(2.0 * n * tokens / flops, b / read if read is not None else 0.0)
-        for n, b in zip(numels, weight_bytes, strict=True)
+        max(2.0 * n * t / flops, b / read if read is not None else 0.0)
+        for n, b, t in zip(numels, weight_bytes, tokens, strict=True)
     )
 
 
@@ -215,7 +218,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         weight[p.layer] += p.nbytes
         if p.placement is not Placement.RESIDENT:
             moved[p.placement][p.layer] += p.nbytes
-    compute = layer_compute_seconds(numels, weight, profile, workload)
+    compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(
         compute=compute,
         copy_bytes=moved[Placement.PREFETCH],
@@ -276,6 +279,7 @@ def _from_loads(
     return StepEstimate(
         profile=profile.name,
         tokens_per_step=workload.tokens_per_step,
+        stack_tokens=workload.stack_tokens,
         compute_from="flops" if workload.resident_step_seconds is None else "measured",
         copy_bytes_per_s=rate,
         pinned_bytes_per_s=profile.pinned_h2d_bytes_per_s,

@@ -70,7 +70,8 @@ def render_estimate(step: StepEstimate) -> str:
     rows.append(["total", _ms(step.compute_seconds), _ms(step.copy_seconds), _ms(step.stall_seconds),
                  _ms(step.uva_read_seconds), _ms(step.on_demand_seconds), _ms(step.step_seconds),
                  format_bytes(step.offloaded_bytes_per_step)])
-    tokens = f"{_count(step.tokens_per_step, 'token')} per step"
+    tokens = f"{_count(step.tokens_per_step, 'token')} per step" if not step.stack_tokens else \
+        f"tokens per step by stack {', '.join(str(t) for t in step.stack_tokens)}"
     source = "compute from FLOPs and weight reads" if step.compute_from == "flops" else \
         "compute scaled from a measured resident step time"
     lines = [

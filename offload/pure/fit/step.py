@@ -12,7 +12,7 @@ import attrs
 
 from offload.errors import ConfigError
 from offload.pure._checks import check_int_at_least, is_int, positive_number
-from offload.pure.serialize import to_data
+from offload.pure.serialize import short_repr, to_data
 
 __all__ = ["MAX_TOKENS_PER_STEP", "DiskReads", "LayerEstimate", "StepEstimate", "Workload"]
 
@@ -27,6 +27,17 @@ def _tokens(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None
     if is_int(value) and value > MAX_TOKENS_PER_STEP:
         raise ConfigError(f"{attribute.name} must be an integer from 1 to {MAX_TOKENS_PER_STEP} (2**40), "
                           f"got {_short_int(value)}", name=attribute.name, value=value)
+
+
+def _stack_tokens(_instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, tuple):
+        raise ConfigError(f"stack_tokens must be a tuple of token counts, got {short_repr(value)}",
+                          name="stack_tokens", value=value)
+    for i, tokens in enumerate(value):
+        check_int_at_least(f"stack_tokens[{i}]", tokens, 1, ConfigError)
+        if tokens > MAX_TOKENS_PER_STEP:
+            raise ConfigError(f"stack_tokens[{i}] must be an integer from 1 to {MAX_TOKENS_PER_STEP} (2**40), "
+                              f"got {_short_int(tokens)}", name=f"stack_tokens[{i}]", value=tokens)
 
 
 def _short_int(value: int) -> str:
@@ -48,12 +59,36 @@ class Workload:
             `MAX_TOKENS_PER_STEP` (2**40).
         resident_step_seconds: a measured step time with every weight resident, seconds;
             when given it replaces the profile's FLOP-based compute time.
+        stack_tokens: tokens per step of each layer stack, in the order the stacks run,
+            where they differ (Whisper's encoder runs over 1500 frames, its decoder over a
+            few tokens); empty: `tokens_per_step` for every stack. A step runs each stack
+            once. Not used with `resident_step_seconds`.
     """
 
     tokens_per_step: int = attrs.field(default=1, validator=_tokens)
     resident_step_seconds: float | None = attrs.field(
         default=None, validator=positive_number(ConfigError, optional=True)
     )
+    stack_tokens: tuple[int, ...] = attrs.field(default=(), validator=_stack_tokens)
+
+    def tokens_by_layer(self, stack_ranges: tuple[tuple[int, int], ...], num_layers: int) -> tuple[int, ...]:
+        """Tokens per step of each of `num_layers` layers, whose stacks are `stack_ranges`.
+
+        Raises:
+            ConfigError: `stack_tokens` gives another number of stacks than the model has.
+        """
+        if not self.stack_tokens:
+            return (self.tokens_per_step,) * num_layers
+        ranges = stack_ranges or ((0, num_layers),)
+        if len(self.stack_tokens) != len(ranges):
+            raise ConfigError(f"stack_tokens gives {len(self.stack_tokens)} token counts; the model has "
+                              f"{len(ranges)} layer {'stack' if len(ranges) == 1 else 'stacks'}",
+                              name="stack_tokens", value=self.stack_tokens)
+        out = [self.tokens_per_step] * num_layers
+        for tokens, (first, stop) in zip(self.stack_tokens, ranges, strict=True):
+            for layer in range(first, min(stop, num_layers)):
+                out[layer] = tokens
+        return tuple(out)
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +145,7 @@ class StepEstimate:
         layers: one entry per layer, in order.
         passes: passes simulated to reach the steady state.
         period: passes after which the steady state repeats (its figures are averaged).
+        stack_tokens: the workload's tokens per step of each stack (empty: `tokens_per_step`).
     """
 
     profile: str
@@ -121,6 +157,7 @@ class StepEstimate:
     layers: tuple[LayerEstimate, ...]
     passes: int = 1
     period: int = 1
+    stack_tokens: tuple[int, ...] = ()
 
     @property
     def step_seconds(self) -> float:

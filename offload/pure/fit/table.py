@@ -153,7 +153,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
     return Table(
-        compute=layer_compute_seconds(numels, weight, profile, workload), resident_bytes=resident,
+        compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,

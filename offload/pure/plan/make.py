@@ -189,6 +189,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         num_layers=len(spec.layers),
         host_numa=host_numa,
         host_admission=admission,
+        stacks=spec.stacks,
     )
 
 

@@ -36,6 +36,7 @@ from offload.pure.plan.values import (
     trusted_param_plan,
 )
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
+from offload.pure.spec.values import runs
 
 __all__ = [
     "OFFLOADED_PLACEMENTS",
@@ -89,6 +90,10 @@ class OffloadPlan:
             (`offload.pure.decide.admission.assess_host_memory`); the executors refuse a plan
             that does not fit unless ``config.host_check`` says otherwise. A plan read
             from JSON written before it existed says "not checked" (unknown).
+        stacks: layers per stack, as `ModelSpec.stacks` (the stacks' layers one after the
+            other, in the order they run), for per-stack workloads (`Workload.stack_tokens`);
+            empty: one stack of every layer (and in a plan read from JSON written before it
+            existed).
     """
 
     config: OffloadConfig = attrs.field(validator=attrs.validators.instance_of(OffloadConfig))
@@ -112,9 +117,18 @@ class OffloadPlan:
     host_numa: HostNuma = attrs.field(factory=HostNuma, validator=attrs.validators.instance_of(HostNuma))
     host_admission: HostAdmission = attrs.field(default=NOT_CHECKED,
                                                 validator=attrs.validators.instance_of(HostAdmission))
+    stacks: tuple[int, ...] = attrs.field(default=(), validator=tuple_of_ints(1, PlanError))
 
     def __attrs_post_init__(self) -> None:
         check_plan(self)
+        if self.stacks and sum(self.stacks) != self.num_layers:
+            raise PlanError(f"stacks {self.stacks} hold {sum(self.stacks)} layers, the plan has {self.num_layers}",
+                            name="stacks", value=self.stacks)
+
+    @property
+    def stack_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each stack's layers as ``(first, stop)`` (`ModelSpec.stack_ranges`)."""
+        return runs(self.stacks, self.num_layers)
 
     @property
     def offloaded_params(self) -> tuple[ParamPlan, ...]:
@@ -200,7 +214,7 @@ _NEW = object.__new__
 _PLAN_SETTERS = slot_setters(OffloadPlan, (
     "config", "backend", "backend_reason", "pin", "uva", "params", "offloaded_layers", "buffers", "schedule",
     "offloaded_bytes", "device_bytes_freed", "device_bytes_buffers", "device_bytes_resident", "host_bytes",
-    "warnings", "env_fingerprint", "compute_device", "num_layers", "host_numa", "host_admission",
+    "warnings", "env_fingerprint", "compute_device", "num_layers", "host_numa", "host_admission", "stacks",
 ))
 
 
@@ -226,6 +240,7 @@ def trusted_offload_plan(
     num_layers: int,
     host_numa: HostNuma,
     host_admission: HostAdmission = NOT_CHECKED,
+    stacks: tuple[int, ...] = (),
 ) -> OffloadPlan:
     """An `OffloadPlan` equal to ``OffloadPlan(config=config, ...)``, built without the
     checks its constructor runs (field validators and `offload.pure.plan._rules`).
@@ -236,7 +251,7 @@ def trusted_offload_plan(
     """
     values = (config, backend, backend_reason, pin, uva, params, offloaded_layers, buffers, schedule,
               offloaded_bytes, device_bytes_freed, device_bytes_buffers, device_bytes_resident, host_bytes,
-              warnings, env_fingerprint, compute_device, num_layers, host_numa, host_admission)
+              warnings, env_fingerprint, compute_device, num_layers, host_numa, host_admission, stacks)
     plan = _NEW(OffloadPlan)
     for set_field, value in zip(_PLAN_SETTERS, values, strict=True):
         set_field(plan, value)

@@ -426,3 +426,62 @@ def test_profile_for_device_finds_each_preset_by_its_device_name(name: str) -> N
 def test_profile_for_device_without_a_match() -> None:
     assert profile_for_device("cpu") is None
     assert profile_for_device("planned CUDA device") is None
+
+
+def _two_stacks() -> ModelSpec:
+    """A preset's layers as an 'encoder' of 2 layers and a 'decoder' of the rest."""
+    from offload.pure.spec.presets import preset_spec
+
+    spec = preset_spec("llama-8b")
+    return attrs.evolve(spec, stacks=(2, len(spec.layers) - 2))
+
+
+def test_each_stack_computes_over_its_own_tokens() -> None:
+    from offload.pure.fit.profiles import PROFILES
+
+    spec = _two_stacks()
+    profile = PROFILES["h200-pcie5"]
+    plan = make_plan(spec, OffloadConfig(backend="none"), EnvSnapshot())
+    assert plan.stacks == spec.stacks and plan.stack_ranges == spec.stack_ranges
+    mixed = estimate(plan, profile, Workload(stack_tokens=(1500, 4)))
+    encoder = estimate(plan, profile, Workload(tokens_per_step=1500))
+    decoder = estimate(plan, profile, Workload(tokens_per_step=4))
+    assert [layer.compute_seconds for layer in mixed.layers] == \
+        [layer.compute_seconds for layer in encoder.layers[:2]] + [layer.compute_seconds for layer in decoder.layers[2:]]
+    assert encoder.layers[0].compute_seconds > decoder.layers[0].compute_seconds  # the tokens matter here
+    assert mixed.stack_tokens == (1500, 4)
+
+
+def test_stack_tokens_for_another_number_of_stacks_is_refused_naming_it() -> None:
+    from offload.pure.fit.profiles import PROFILES
+
+    plan = make_plan(_two_stacks(), OffloadConfig(backend="none"), EnvSnapshot())
+    with pytest.raises(ConfigError, match="stack_tokens gives 3 token counts; the model has 2 layer stacks") as caught:
+        estimate(plan, PROFILES["h200-pcie5"], Workload(stack_tokens=(1, 2, 3)))
+    assert caught.value.name == "stack_tokens"
+    for bad in ((0,), (1, 2**41), [3]):
+        with pytest.raises(ConfigError):
+            Workload(stack_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_fit_with_tokens_per_stack_predicts_what_its_plan_estimates() -> None:
+    from offload.pure.fit.profiles import PROFILES
+    from offload.pure.fit.search import fit
+
+    spec = _two_stacks()
+    profile = PROFILES["h200-pcie5"]
+    workload = Workload(stack_tokens=(1500, 1))
+    result = fit(spec, EnvSnapshot(), profile, workload, spec.nbytes // 3)
+    assert result.estimate == estimate(result.plan, profile, workload)
+    assert result.chosen.step_seconds == pytest.approx(result.estimate.step_seconds, rel=1e-9)
+
+
+def test_a_plan_keeps_its_stacks_through_json_and_an_older_plan_reads_as_one_stack() -> None:
+    from offload.pure.plan.plan import OffloadPlan
+
+    plan = make_plan(_two_stacks(), OffloadConfig(group_size=2, prefetch_step=1), EnvSnapshot())
+    assert OffloadPlan.from_json(plan.to_json()) == plan
+    document = json.loads(plan.to_json())
+    del document["plan"]["stacks"]
+    older = OffloadPlan.from_json(json.dumps(document))
+    assert older.stacks == () and older.stack_ranges == ((0, plan.num_layers),)
