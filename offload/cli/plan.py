@@ -9,13 +9,14 @@ import os
 
 import attrs
 
-from offload.cli._shared import UserError, capture, count_of
+from offload.cli._shared import UserError, capture
 from offload.cli.parser import (
     DEFAULT_DISK_GBPS,
     DEFAULT_PREFETCH,
     DEFAULT_SOURCE,
     gib_bytes,
 )
+from offload.cli.plan_source import Source, plan_source
 from offload.errors import ConfigError, PlanError
 from offload.pure.config import OffloadConfig
 from offload.pure.disk.render import render_disk_tier
@@ -35,8 +36,7 @@ from offload.pure.fit.search import fit
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.plan.render import render_plan
-from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
-from offload.pure.spec.safetensors import printable
+from offload.pure.spec.presets import PRESETS
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
@@ -69,66 +69,7 @@ def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
     return OffloadConfig(**given, param_filter=tuple(args.filter)), False
 
 
-@attrs.frozen(kw_only=True)
-class _Source:
-    """What SOURCE gives: the layers, where they came from, and what lies outside them."""
-
-    spec: ModelSpec
-    origin: str  # one line: "preset llama-8b (...)" or "checkpoint DIR"
-    outside_bytes: int  # weights outside the layers, resident on the device
-    details: tuple[str, ...]  # lines to print under the model line: stacks, outside
-
-
-def _source(name: str, *, counted: str) -> _Source:
-    """The spec for SOURCE, a description of it, and its outside bytes; `counted` ends the
-    line about those bytes (whether the output below counts them)."""
-    if os.path.exists(name):
-        from offload.model.checkpoint import read_checkpoint
-
-        buffer_names, buffer_source, running = _buffers(name)
-        result = read_checkpoint(name, buffers=buffer_names or frozenset(), running=running)  # stacks as they run
-        details = [
-            f"stack:    {printable(stack.name)}: {count_of(stack.num_layers, 'layer')} (plan layers "
-            f"{stack.first_layer}-{stack.first_layer + stack.num_layers - 1}), {format_bytes(stack.nbytes)}"
-            for stack in result.stacks
-        ]
-        if result.outside_layers:
-            details.append(f"outside:  {count_of(len(result.outside_layers), 'tensor')} outside the layers, "
-                           f"{format_bytes(result.outside_bytes - result.buffer_bytes)}, resident on the device; "
-                           f"{counted}")
-        if buffer_names is None:
-            details.append(f"buffers:  not known ({printable(buffer_source)}): every tensor in a layer is planned "
-                           "as a parameter, persistent buffers too")
-        elif result.buffers:
-            details.append(f"buffers:  {count_of(len(result.buffers), 'tensor')} {buffer_source} holds as persistent "
-                           f"buffers, {format_bytes(result.buffer_bytes)}, resident on the device, not planned; "
-                           f"{counted}")
-        return _Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
-                       details=tuple(details))
-    if name in PRESETS:
-        outside = preset_outside_bytes(name)
-        return _Source(spec=preset_spec(name), origin=f"preset {name} (decoder layers, bf16, shapes only)",
-                       outside_bytes=outside,
-                       details=(f"outside:  embeddings, output head and final norm, {format_bytes(outside)}, "
-                                f"resident on the device; {counted}",))
-    raise UserError(
-        f"offload plan: {name!r} is neither an existing path nor a preset ({', '.join(sorted(PRESETS))})"
-    )
-
-
-def _buffers(name: str) -> tuple[frozenset[str] | None, str, tuple[tuple[str, int], ...]]:
-    """The persistent buffers of the checkpoint's model class, the class, and its stacks in
-    the order they run (see `offload.hf.checkpoint_buffers`), or None and why they are not
-    known (torch missing included: this module does not import it otherwise)."""
-    try:
-        from offload.hf.buffers import checkpoint_buffers
-    except ImportError as exc:
-        return None, f"torch is needed to build the model class ({exc})", ()
-    known = checkpoint_buffers(name)
-    return known.names, known.source, known.stacks
-
-
-def _print_model(source: _Source) -> None:
+def _print_model(source: Source) -> None:
     spec = source.spec
     print(f"model:    {source.origin}: {len(spec.layers)} layers, {spec.num_params} parameters, "
           f"{format_bytes(spec.nbytes)}")
@@ -179,7 +120,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
-    source = _source(args.source, counted="counted in the fit")
+    source = plan_source(args.source, counted="counted in the fit")
     spec = source.spec
     if args.fit_gib == 0:
         raise UserError("offload plan: --fit-gib must be greater than 0")
@@ -267,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit_gib is not None:
         return cmd_fit(args, profile)
     config, is_default = _config(args)
-    source = _source(args.source, counted="not in the plan's totals, which cover the layers")
+    source = plan_source(args.source, counted="not in the plan's totals, which cover the layers")
     spec = source.spec
     env = _planning_env(args)
     matched = ""
