@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "source",
         nargs="?",
         default=None,
-        help=f"a preset ({', '.join(sorted(PRESETS))}), a directory of .safetensors files or their index "
-        f"(default {DEFAULT_SOURCE})",
+        help=f"a preset ({', '.join(sorted(PRESETS))}), a directory of .safetensors files or their index, "
+        f"or a directory holding only config.json (planned before downloading; default {DEFAULT_SOURCE})",
     )
     plan.add_argument("--backend", choices=["auto", "prefetch", "uva", "none"], help="default: auto")
     plan.add_argument("--group-size", type=positive_int, help="prefetch: layers per group")
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                       f"(default {DEFAULT_DISK_GBPS:g}, assumed)")
     plan.add_argument("--read-ahead", type=positive_int,
                       help="with --host-gib: host staging buffers disk reads fill ahead (default 2)")
+    plan.add_argument("--dtype", choices=LOAD_DTYPES,
+                      help="with a directory holding only config.json: the weights' dtype "
+                      "(default: the config's dtype or torch_dtype)")
 
     demo = sub.add_parser("demo", help="run a small model resident and offloaded and compare bit for bit")
     demo.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default: auto (CUDA if available)")

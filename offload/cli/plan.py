@@ -16,7 +16,7 @@ from offload.cli.parser import (
     DEFAULT_SOURCE,
     gib_bytes,
 )
-from offload.cli.plan_source import Source, plan_source
+from offload.cli.plan_source import Source, has_weights, plan_source
 from offload.errors import ConfigError, PlanError
 from offload.pure.config import OffloadConfig
 from offload.pure.disk.render import render_disk_tier
@@ -120,7 +120,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
-    source = plan_source(args.source, counted="counted in the fit")
+    source = plan_source(args.source, counted="counted in the fit", dtype=args.dtype)
     spec = source.spec
     if args.fit_gib == 0:
         raise UserError("offload plan: --fit-gib must be greater than 0")
@@ -189,7 +189,7 @@ def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
     if args.disk_gbps is not None and args.disk_gbps <= 0:
         raise UserError("offload plan: --disk-gbps must be greater than 0")
     found = None
-    if os.path.exists(args.source):
+    if has_weights(args.source):  # a config alone, like a preset, has no file to read from
         from offload.model.checkpoint import checkpoint_extents
 
         found = checkpoint_extents(args.source)
@@ -208,7 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit_gib is not None:
         return cmd_fit(args, profile)
     config, is_default = _config(args)
-    source = plan_source(args.source, counted="not in the plan's totals, which cover the layers")
+    source = plan_source(args.source, counted="not in the plan's totals, which cover the layers", dtype=args.dtype)
     spec = source.spec
     env = _planning_env(args)
     matched = ""

@@ -7,24 +7,33 @@
   tensor in the layers that is neither a ``weight`` nor a ``bias`` is a persistent buffer.
   A one-stack model of weights and biases (every Llama, Qwen, Mistral, Mixtral checkpoint)
   is planned from the headers alone, in the time it takes to import torch.
+- A directory holding a ``config.json`` and no weights (or that file itself): the class
+  built on meta in the config's dtype, its tensors as ``save_pretrained`` writes them
+  (`offload.hf.buffers.saved_model`); no weights are read, and the output says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from offload.cli._shared import UserError, count_of
+from offload.errors import CheckpointError
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
-from offload.pure.spec.safetensors import TensorHeader, printable
+from offload.pure.spec.safetensors import SHARD_SUFFIX, TensorHeader, printable
 from offload.pure.spec.stacks import CheckpointSpec, spec_from_tensors
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
-__all__ = ["Source", "plan_source"]
+if TYPE_CHECKING:
+    from offload.hf.buffers import SavedModel
+
+__all__ = ["Source", "has_weights", "plan_source"]
 
 #: The last name segments of tensors that are parameters in every module we know
 #: (``nn.Linear``, ``nn.Embedding``, the norms); any other may be a persistent buffer.
@@ -38,7 +47,7 @@ class Source:
 
     Attributes:
         spec: the layers to plan.
-        origin: one line: ``preset llama-8b (...)``, ``checkpoint DIR``.
+        origin: one line: ``preset llama-8b (...)``, ``checkpoint DIR``, ``config DIR (...)``.
         outside_bytes: weights outside the layers (resident on the device), in bytes.
         details: lines to print under the model line: stacks, outside, class, buffers.
     """
@@ -49,20 +58,36 @@ class Source:
     details: tuple[str, ...]
 
 
-def plan_source(name: str, *, counted: str) -> Source:
+def has_weights(name: str) -> bool:
+    """Whether SOURCE `name` is a checkpoint whose weights lie in files (the disk tier can
+    read them there): an existing path that is not a config alone."""
+    return os.path.exists(name) and _config_only(Path(name)) is None
+
+
+def plan_source(name: str, *, counted: str, dtype: str | None = None) -> Source:
     """The spec for SOURCE `name` and the lines describing it (the module docstring).
 
     Args:
-        name: a preset or a checkpoint path.
+        name: a preset, a checkpoint path, or a directory holding a config alone.
         counted: ends the line about the bytes outside the layers (whether the output
             below counts them).
+        dtype: ``--dtype``, for a config alone (None: the config's).
 
     Raises:
-        UserError: `name` is neither.
+        UserError: `name` is none of these; a directory with neither weights nor a config
+            that builds.
         CheckpointError: the checkpoint's files or headers are broken (as `read_checkpoint`).
     """
     if os.path.exists(name):
+        config_dir = _config_only(Path(name))
+        if dtype is not None and config_dir is None:
+            raise UserError("offload plan: --dtype applies to a directory holding only a config.json (a "
+                            "checkpoint's headers give its dtypes)")
+        if config_dir is not None:
+            return _from_config(name, config_dir, counted=counted, dtype=dtype)
         return _from_checkpoint(name, counted=counted)
+    if dtype is not None:
+        raise UserError("offload plan: --dtype applies to a directory holding only a config.json, not to a preset")
     if name in PRESETS:
         outside = preset_outside_bytes(name)
         return Source(spec=preset_spec(name), origin=f"preset {name} (decoder layers, bf16, shapes only)",
@@ -74,9 +99,47 @@ def plan_source(name: str, *, counted: str) -> Source:
     )
 
 
+def _config_only(path: Path) -> Path | None:
+    """The directory to plan from its config alone: `path` when it is a directory with a
+    ``config.json`` and no ``.safetensors`` entry, the folder of a ``config.json`` given
+    itself; else None (a checkpoint, or nothing to plan from: `_from_checkpoint` says)."""
+    if path.name == _CONFIG and path.is_file():
+        return path.parent
+    if not path.is_dir() or not (path / _CONFIG).is_file():
+        return None
+    try:
+        weights = any(child.name.endswith(SHARD_SUFFIX) for child in path.iterdir())
+    except OSError:
+        return None  # the checkpoint reader says why it cannot be listed
+    return None if weights else path  # an index without its shards: planned from the config
+
+
 def _root(name: str) -> Path:
     path = Path(name)
     return path if path.is_dir() else path.parent
+
+
+def _read_config(root: Path) -> Mapping[str, Any] | None:
+    """``config.json`` of `root` as a mapping; None when absent or not a JSON object (the
+    class, if it is built, says what is wrong with it)."""
+    try:
+        found = json.loads((root / _CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _saved_model(root: Path, *, dtype: str | None = None) -> SavedModel:
+    """`offload.hf.buffers.saved_model` (imports transformers); CheckpointError as it
+    raises, and for a library that is not installed."""
+    try:
+        import torch
+
+        from offload.hf.buffers import saved_model
+    except ImportError as exc:
+        raise CheckpointError(f"the library that builds the model is not installed ({exc})", name=str(root),
+                              value=None) from exc
+    return saved_model(root, dtype=None if dtype is None else getattr(torch, dtype))
 
 
 def _questions(headers: CheckpointSpec) -> list[str]:
@@ -96,6 +159,10 @@ def _questions(headers: CheckpointSpec) -> list[str]:
 def _from_checkpoint(name: str, *, counted: str) -> Source:
     from offload.model.checkpoint import checkpoint_extents
 
+    path, root = Path(name), _root(name)
+    if path.is_dir() and not (root / _CONFIG).exists() and not _lists_weights(path):
+        raise UserError(f"offload plan: {printable(name)}: no {SHARD_SUFFIX} files and no {_CONFIG}: nothing to plan "
+                        f"from (a checkpoint directory, or its {_CONFIG} alone to plan before downloading)")
     tensors: Sequence[TensorHeader] = tuple(checkpoint_extents(name).tensors.values())
     result = spec_from_tensors(tensors)
     questions = _questions(result)
@@ -104,29 +171,49 @@ def _from_checkpoint(name: str, *, counted: str) -> Source:
         details.append("class:    not built: one stack of weights and biases, whose headers tell the plan all it "
                        "needs")
     else:
-        known_names, source, stacks = _buffers(_root(name))
-        if known_names is None:
-            details.append(f"buffers:  not known ({printable(source)}): every tensor in a layer is planned as a "
+        try:
+            saved = _saved_model(root)
+        except CheckpointError as exc:
+            details.append(f"buffers:  not known ({printable(exc.message)}): every tensor in a layer is planned as a "
                            "parameter, persistent buffers too")
         else:
-            details.append(f"class:    {source} built on meta from {_CONFIG}, for {'; '.join(questions)}")
-            result = spec_from_tensors(tensors, buffers=known_names, running=stacks)
+            details.append(f"class:    {saved.source} built on meta from {_CONFIG}, for {'; '.join(questions)}")
+            result = spec_from_tensors(tensors, buffers=saved.buffers, running=saved.stacks)
             if result.buffers:
-                details.append(_buffer_line(result, source, counted))
+                details.append(_buffer_line(result, saved.source, counted))
     return Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
                   details=(*_stack_lines(result, counted), *details))
 
 
-def _buffers(root: Path) -> tuple[frozenset[str] | None, str, tuple[tuple[str, int], ...]]:
-    """The persistent buffers of the checkpoint's model class, the class, and its stacks in
-    the order they run (`offload.hf.checkpoint_buffers`, which imports transformers), or
-    None and why they are not known."""
+def _lists_weights(folder: Path) -> bool:
+    """Whether `folder` has a ``.safetensors`` entry or an index (the reader checks them)."""
     try:
-        from offload.hf.buffers import checkpoint_buffers
-    except ImportError as exc:
-        return None, f"torch is needed to build the model class ({exc})", ()
-    known = checkpoint_buffers(root)
-    return known.names, known.source, known.stacks
+        return any(child.name.endswith((SHARD_SUFFIX, ".safetensors.index.json")) for child in folder.iterdir())
+    except OSError:
+        return True  # the checkpoint reader says why it cannot be listed
+
+
+def _from_config(name: str, root: Path, *, counted: str, dtype: str | None) -> Source:
+    config = _read_config(root)
+    try:
+        saved = _saved_model(root, dtype=dtype)
+    except CheckpointError as exc:
+        raise UserError(f"offload plan: {printable(name)} holds no {SHARD_SUFFIX} files, and its {_CONFIG} cannot be "
+                        f"planned from: {exc.message}") from None
+    try:
+        result = spec_from_tensors(saved.tensors, buffers=saved.buffers, running=saved.stacks)
+    except CheckpointError as exc:
+        raise UserError(f"offload plan: {saved.source} built from {printable(str(root / _CONFIG))}: {exc.message}") \
+            from None
+    named = config is not None and any(key in config for key in ("dtype", "torch_dtype"))
+    how = "as --dtype asks" if dtype is not None else "the config's" if named else \
+        f"{_CONFIG} names none; --dtype to choose"
+    details = [f"weights:  no weights were read: {saved.source} built on meta from {printable(str(root / _CONFIG))}, "
+               f"in {saved.dtype} ({how}), its tensors as save_pretrained writes them", *_stack_lines(result, counted)]
+    if result.buffers:
+        details.append(_buffer_line(result, saved.source, counted))
+    return Source(spec=result.spec, origin=f"config {printable(str(root))}", outside_bytes=result.outside_bytes,
+                  details=tuple(details))
 
 
 def _stack_lines(result: CheckpointSpec, counted: str) -> list[str]:

@@ -1,18 +1,23 @@
-"""`checkpoint_buffers`: which tensors of a checkpoint the model holds as persistent
-buffers, not parameters, read from the model class that was saved, built on meta.
+"""What the model class that was saved tells about its checkpoint, built on the meta
+device from its ``config.json`` (no memory, no weights read): `saved_model` and
+`checkpoint_buffers`.
 
 A safetensors file does not say which of its tensors are buffers (DeepSeek-V3's
 ``mlp.gate.e_score_correction_bias``, a rotary table saved with the weights); a plan made
 from the headers alone would plan them as offloaded parameters, while the live model keeps
-buffers on the device. The class `config.json` names (`saved_class`) knows: it is built on
-the meta device (no memory, no weights read) and its persistent buffers are listed, and
-so are its layer stacks in the order they run (`find_stacks`), which a checkpoint's
-names do not tell (`offload.pure.spec.stacks.match_stack_order`).
+buffers on the device. The class `config.json` names (`saved_class`) knows: its
+persistent buffers are listed, and so are its layer stacks in the order they run
+(`find_stacks`), which a checkpoint's names do not tell
+(`offload.pure.spec.stacks.match_stack_order`). The same model gives the tensors
+``save_pretrained`` would write (transformers' own tie removal and weight renaming, run on
+meta), so that a model can be planned from its config before its weights are downloaded.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +28,9 @@ from offload.errors import CheckpointError, PlanError
 from offload.hf.layers import find_stacks
 from offload.hf.pretrained import saved_class
 from offload.logs import logger
+from offload.pure.spec.safetensors import SAFETENSORS_DTYPES, TensorHeader
 
-__all__ = ["BufferNames", "checkpoint_buffers"]
+__all__ = ["BufferNames", "SavedModel", "checkpoint_buffers", "saved_model"]
 
 log = logger("offload.plan")
 
@@ -34,8 +40,8 @@ class BufferNames:
     """The persistent buffers of a checkpoint's model class, or why they are not known.
 
     Attributes:
-        names: the buffers' names in the model's ``state_dict`` (empty: it has none);
-            None when the class could not be built.
+        names: the buffers' names in the checkpoint (empty: it has none); None when the
+            class could not be built.
         source: the class built (``DeepseekV3ForCausalLM``), or why none was (``no
             config.json beside the weights``, ``transformers is not installed``, ...).
         stacks: its layer stacks as (module path, layers), in the order they run; empty
@@ -45,6 +51,28 @@ class BufferNames:
     names: frozenset[str] | None
     source: str
     stacks: tuple[tuple[str, int], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class SavedModel:
+    """A checkpoint's model class, built on meta from its config, as its checkpoint holds it.
+
+    Attributes:
+        source: the class built (``LlamaForCausalLM``).
+        dtype: the dtype it was built in (``bfloat16``): the config's, or the one asked for.
+        buffers: the persistent buffers, by their names in the checkpoint.
+        stacks: its layer stacks as (module path, layers), in the order they run; empty
+            when none is found.
+        tensors: every tensor ``save_pretrained`` writes, by its name in the checkpoint,
+            each storage once (a tied head is written as its embedding), with its dtype
+            and shape; the byte ranges lay them end to end in this order, as one file would.
+    """
+
+    source: str
+    dtype: str
+    buffers: frozenset[str]
+    stacks: tuple[tuple[str, int], ...]
+    tensors: tuple[TensorHeader, ...]
 
 
 def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
@@ -61,45 +89,111 @@ def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
         meta from its config. Never raises for those: a plan from the headers alone is
         still a plan (the CLI says the buffers are not known).
     """
+    try:
+        saved = saved_model(path)
+    except CheckpointError as exc:
+        return BufferNames(names=None, source=exc.message)
+    return BufferNames(names=saved.buffers, source=saved.source, stacks=saved.stacks)
+
+
+def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> SavedModel:
+    """The model class a checkpoint (or its ``config.json`` alone) was saved from, built on
+    meta, as its checkpoint holds it (`SavedModel`). Imports transformers (or diffusers).
+
+    Args:
+        path: the directory holding ``config.json`` (or a file in it).
+        dtype: the dtype to build it in; None: the config's (``dtype``, ``torch_dtype``),
+            which transformers applies; a diffusers config names none (float32).
+
+    Raises:
+        CheckpointError: no ``config.json``; no class named there; the library missing or
+            without the class; the class not buildable on meta from the config; a tensor
+            of a dtype safetensors does not have. The message says which.
+    """
     root = Path(path)
     if not root.is_dir():
         root = root.parent
     config = root / "config.json"
     if not config.is_file():
-        return BufferNames(names=None, source="no config.json beside the weights")
+        raise CheckpointError("no config.json beside the weights", name=str(config), value=None)
     try:
         model_class, where = saved_class(config)
     except ImportError as exc:
-        return BufferNames(names=None, source=f"the library that builds the model is not installed ({exc})")
-    except CheckpointError as exc:
-        return BufferNames(names=None, source=str(exc))
+        raise CheckpointError(f"the library that builds the model is not installed ({exc})", name=str(config),
+                              value=None) from exc
     if model_class is None:
-        return BufferNames(names=None, source=where)
+        raise CheckpointError(where, name=str(config), value=None)
     try:
-        model = _on_meta(model_class, root)
-    except Exception as exc:  # any failure of a third-party constructor: the buffers are unknown
+        model = _on_meta(model_class, root, dtype)
+    except Exception as exc:  # any failure of a third-party constructor: the class is unknown
         log.debug("building %s on meta failed", model_class.__name__, exc_info=True)
-        return BufferNames(names=None, source=f"{model_class.__name__} could not be built on meta "
-                                              f"({type(exc).__name__}: {exc})")
-    saved = set(model.state_dict(keep_vars=True))
-    names = frozenset(name for name, _ in model.named_buffers(remove_duplicate=False) if name in saved)
+        raise CheckpointError(f"{model_class.__name__} could not be built on meta ({type(exc).__name__}: {exc})",
+                              name=str(config), value=model_class.__name__) from exc
+    model_state = model.state_dict(keep_vars=True)
+    saved = _as_saved(model, model_state)  # the tensors themselves, under the names they are saved as
+    buffer_ids = {id(b) for name, b in model.named_buffers(remove_duplicate=False) if name in model_state}
+    tensors: list[TensorHeader] = []
+    begin = 0
+    for name, tensor in saved.items():
+        dtype_name = str(tensor.dtype).removeprefix("torch.")
+        if dtype_name not in SAFETENSORS_DTYPES.values():
+            raise CheckpointError(f"{model_class.__name__}: tensor {name!r} is {dtype_name}, which safetensors "
+                                  "does not store", name=name, value=dtype_name)
+        nbytes = tensor.numel() * tensor.element_size()
+        tensors.append(TensorHeader(name=name, dtype=dtype_name, shape=tuple(tensor.shape), begin=begin,
+                                    end=begin + nbytes))
+        begin += nbytes
     paths = {id(module): path for path, module in model.named_modules()}
     try:
         stacks = tuple((paths[id(stack)], len(stack)) for stack in find_stacks(model))
     except PlanError:
         stacks = ()
-    log.debug("%s (%s): %d persistent buffers, stacks %s", model_class.__name__, where, len(names), stacks)
-    return BufferNames(names=names, source=model_class.__name__, stacks=stacks)
+    found = SavedModel(
+        source=model_class.__name__,
+        dtype=str(next((t.dtype for t in model_state.values()), torch.float32)).removeprefix("torch."),
+        buffers=frozenset(name for name, tensor in saved.items() if id(tensor) in buffer_ids),
+        stacks=stacks, tensors=tuple(tensors))
+    log.debug("%s (%s): %d tensors, %d persistent buffers, stacks %s", found.source, where, len(found.tensors),
+              len(found.buffers), stacks)
+    return found
 
 
-def _on_meta(model_class: Any, root: Path) -> Any:
-    """`model_class` built from the configuration in `root`, on the meta device."""
+def _as_saved(model: Any, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` as ``save_pretrained`` writes it: tied weights once, transformers' weight
+    renaming and conversions (fused experts written one by one) undone, run on meta; for
+    a model that is not a transformers one (diffusers), each storage once."""
+    if _is_transformers(model):
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        reverted: dict[str, torch.Tensor] = revert_weight_conversion(
+            model, remove_tied_weights_from_state_dict(dict(state), model))
+        return reverted
+    seen: set[int] = set()
+    once: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            once[name] = tensor
+    return once
+
+
+def _is_transformers(model: Any) -> bool:
+    """Whether `model` is a transformers `PreTrainedModel` (transformers is not imported for this)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _on_meta(model_class: Any, root: Path, dtype: torch.dtype | None = None) -> Any:
+    """`model_class` built from the configuration in `root`, on the meta device, in `dtype`
+    (None: the config's)."""
     if hasattr(model_class, "load_config"):  # a diffusers ModelMixin
         config = model_class.load_config(root)
         with torch.device("meta"):
-            return model_class.from_config(config)
+            model = model_class.from_config(config)
+        return model if dtype is None else model.to(dtype)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     with torch.device("meta"):
-        return model_class._from_config(config)
+        return model_class._from_config(config) if dtype is None else model_class._from_config(config, dtype=dtype)
