@@ -91,10 +91,45 @@ class StagingRing:
         self._pending: dict[int, list[ReadHandle]] = {}
         # Per buffer, what a refill waits for: the last device copy out of it (`copied`).
         self._after: list[Callable[[], object] | None] = [None] * len(self._buffers)
-        # Each disk position's buffer's next occupant (itself: the buffer is its alone).
-        self._next_of = next_occupants(tier, cycle_of)
+        # Each disk position's buffer's next occupant (itself: the buffer is its alone),
+        # after a cycle's last read of a buffer the first read of it in the cycle expected
+        # to run next: at first each stack's successor in run order, the last stack itself
+        # (an encoder then its decoder, which repeats per token); then the cycle that did
+        # followed it most often (`ran`).
+        self._tier = tier
+        self._cycle_of = tuple(cycle_of)
+        cycles = sorted({self._cycle(p) for p in tier.read_order})
+        self._following = {c: cycles[i + 1] if i + 1 < len(cycles) else c for i, c in enumerate(cycles)}
+        self._next_of = next_occupants(tier, cycle_of, self._following)
+        self._last: int | None = None  # the cycle whose run began last (`ran`)
+        self._after_counts: dict[int, dict[int, tuple[int, int]]] = {}  # cycle -> next: (times, latest run)
+        self._runs = 0
         self._waited_ns = 0
         self.misses = 0  # copies that found their position not staged (read then, not ahead)
+
+    def _cycle(self, position: int) -> int:
+        return self._cycle_of[position] if position < len(self._cycle_of) else 0
+
+    def ran(self, cycle: int) -> None:
+        """A run of `cycle` begins (its stack's first offloaded layer runs): the expected
+        successor of the cycle that ran before it is the cycle that followed it most often
+        (the latest of equals), and the next occupants follow: an encoder's is its decoder,
+        a decoder's itself (it runs again per token, the encoder once per request)."""
+        last, self._last = self._last, cycle
+        if last is None:
+            return
+        self._runs += 1
+        seen = self._after_counts.setdefault(last, {})
+        seen[cycle] = (seen.get(cycle, (0, 0))[0] + 1, self._runs)
+        expected = max(seen, key=lambda c: seen[c])
+        if self._following.get(last) != expected:
+            self._following[last] = expected
+            self._next_of = next_occupants(self._tier, self._cycle_of, self._following)
+
+    @property
+    def following(self) -> Mapping[int, int]:
+        """The cycle expected to run after each cycle (what the next occupants follow)."""
+        return dict(self._following)
 
     def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
         """Each parameter of disk `position`, as it lies in its staging buffer once

@@ -105,7 +105,9 @@ Note [disk tier]
     the Python thread blocks until the buffer holds the position (reading it then if it
     does not), and after they are issued the buffer's next occupant in read order is
     staged, its reads to start on the reader's threads once that copy is done (a buffer
-    is never refilled while a copy reads it). Post_init stages a pass's first reads; a
+    is never refilled while a copy reads it); after a stack's last read of a buffer, the
+    next occupant is the buffer's first read in the stack that usually runs next (each
+    run's start tells the ring, `StagingRing.ran`). Post_init stages a pass's first reads; a
     copy that finds the wrong position in its buffer reads its own first, so every order
     of layers (realignment included) copies the right weights. A failed read fails the
     copy (the position then has nothing in flight and realigns: the next forward reads

@@ -298,6 +298,12 @@ class DiskStream:
         if self._ring is not None:
             self._ring.ready(position)
 
+    def run_begins(self, cycle: int) -> None:
+        """A run of schedule `cycle` begins: the ring's next occupants follow the order the
+        stacks run in (`StagingRing.ran`)."""
+        if self._ring is not None:
+            self._ring.ran(cycle)
+
     def after_copy(self, position: int, done: Event) -> None:
         """The device copy out of `position`'s buffer is issued (`done` its event): stage
         the buffer's next occupant, to be read once that copy is done."""

@@ -102,6 +102,8 @@ class CopyQueue(PrefetchState):
             if self._step_log.active and self._steps:
                 self._step_log.step(self._steps, self.stats)  # the steps finished so far, their copies counted
             self._steps += 1
+            if self._disk is not None:
+                self._disk.run_begins(cycle)  # staging follows the order the stacks run (Note [disk tier])
         if capturing:
             self._check_capturable()
         # Each offloaded parameter is still the one its module holds, still points at its
