@@ -8,6 +8,7 @@ import math
 from typing import NoReturn
 
 from offload.cli._shared import UserError, shown
+from offload.cli.quantisation import QUANTIZATIONS
 from offload.errors import ConfigError
 from offload.pure.config import OffloadConfig
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                       f"(default {DEFAULT_DISK_GBPS:g}, assumed)")
     plan.add_argument("--read-ahead", type=positive_int,
                       help="with --host-gib: host staging buffers disk reads fill ahead (default 2)")
+    plan.add_argument("--quantization", choices=QUANTIZATIONS,
+                      help="plan the weights as a load-time quantisation leaves them: int8 is torchao's int8 "
+                      "weight-only of every nn.Linear weight but the output head; none plans them as saved "
+                      "(default: a config alone's quantization_config)")
     plan.add_argument("--dtype", choices=LOAD_DTYPES,
                       help="with a directory holding only config.json: the weights' dtype "
                       "(default: the config's dtype or torch_dtype)")

@@ -120,7 +120,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
                                        ("--uva-gib", args.uva_gib)) if value is not None]
     if chosen:
         raise UserError(f"offload plan: --fit-gib chooses the configuration itself; drop {', '.join(chosen)}")
-    source = plan_source(args.source, counted="counted in the fit", dtype=args.dtype)
+    source = plan_source(args.source, counted="counted in the fit", quantization=args.quantization, dtype=args.dtype)
     spec = source.spec
     if args.fit_gib == 0:
         raise UserError("offload plan: --fit-gib must be greater than 0")
@@ -208,7 +208,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.fit_gib is not None:
         return cmd_fit(args, profile)
     config, is_default = _config(args)
-    source = plan_source(args.source, counted="not in the plan's totals, which cover the layers", dtype=args.dtype)
+    source = plan_source(args.source, counted="not in the plan's totals, which cover the layers",
+                         quantization=args.quantization, dtype=args.dtype)
     spec = source.spec
     env = _planning_env(args)
     matched = ""

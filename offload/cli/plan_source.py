@@ -3,13 +3,18 @@
 - A preset: shapes only.
 - A checkpoint directory (or one of its files): the safetensors headers. The class that
   was saved is built on meta (which imports transformers, seconds) only when the headers
-  leave a question the plan needs answered: the order of two or more stacks, or whether a
-  tensor in the layers that is neither a ``weight`` nor a ``bias`` is a persistent buffer.
-  A one-stack model of weights and biases (every Llama, Qwen, Mistral, Mixtral checkpoint)
-  is planned from the headers alone, in the time it takes to import torch.
+  leave a question the plan needs answered: the order of two or more stacks, whether a
+  tensor in the layers that is neither a ``weight`` nor a ``bias`` is a persistent buffer,
+  or which weights are ``nn.Linear`` ones for ``--quantization``. A one-stack model of
+  weights and biases (every Llama, Qwen, Mistral, Mixtral checkpoint) is planned from the
+  headers alone, in the time it takes to import torch.
 - A directory holding a ``config.json`` and no weights (or that file itself): the class
   built on meta in the config's dtype, its tensors as ``save_pretrained`` writes them
   (`offload.hf.buffers.saved_model`); no weights are read, and the output says so.
+
+``--quantization int8`` (or a config's torchao int8 ``quantization_config``, for a config
+alone) plans the weights as torchao's int8 weight-only quantisation leaves them
+(`offload.cli.quantisation`); a checkpoint saved quantised is planned as its headers hold it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from offload.cli._shared import UserError, count_of
+from offload.cli.quantisation import INT8, int8_weight_only, saved_quantization
 from offload.errors import CheckpointError
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
 from offload.pure.spec.safetensors import SHARD_SUFFIX, TensorHeader, printable
@@ -49,7 +55,7 @@ class Source:
         spec: the layers to plan.
         origin: one line: ``preset llama-8b (...)``, ``checkpoint DIR``, ``config DIR (...)``.
         outside_bytes: weights outside the layers (resident on the device), in bytes.
-        details: lines to print under the model line: stacks, outside, class, buffers.
+        details: lines to print under the model line: stacks, outside, class, buffers, quantisation.
     """
 
     spec: ModelSpec
@@ -64,18 +70,19 @@ def has_weights(name: str) -> bool:
     return os.path.exists(name) and _config_only(Path(name)) is None
 
 
-def plan_source(name: str, *, counted: str, dtype: str | None = None) -> Source:
+def plan_source(name: str, *, counted: str, quantization: str | None = None, dtype: str | None = None) -> Source:
     """The spec for SOURCE `name` and the lines describing it (the module docstring).
 
     Args:
         name: a preset, a checkpoint path, or a directory holding a config alone.
         counted: ends the line about the bytes outside the layers (whether the output
             below counts them).
+        quantization: ``--quantization`` (`INT8`, ``"none"``), or None: the config's.
         dtype: ``--dtype``, for a config alone (None: the config's).
 
     Raises:
         UserError: `name` is none of these; a directory with neither weights nor a config
-            that builds.
+            that builds; a quantisation that cannot be planned (named).
         CheckpointError: the checkpoint's files or headers are broken (as `read_checkpoint`).
     """
     if os.path.exists(name):
@@ -84,10 +91,12 @@ def plan_source(name: str, *, counted: str, dtype: str | None = None) -> Source:
             raise UserError("offload plan: --dtype applies to a directory holding only a config.json (a "
                             "checkpoint's headers give its dtypes)")
         if config_dir is not None:
-            return _from_config(name, config_dir, counted=counted, dtype=dtype)
-        return _from_checkpoint(name, counted=counted)
+            return _from_config(name, config_dir, counted=counted, quantization=quantization, dtype=dtype)
+        return _from_checkpoint(name, counted=counted, quantization=quantization)
     if dtype is not None:
         raise UserError("offload plan: --dtype applies to a directory holding only a config.json, not to a preset")
+    if quantization is not None:
+        raise UserError("offload plan: --quantization applies to a checkpoint or a config, not to a preset")
     if name in PRESETS:
         outside = preset_outside_bytes(name)
         return Source(spec=preset_spec(name), origin=f"preset {name} (decoder layers, bf16, shapes only)",
@@ -129,7 +138,7 @@ def _read_config(root: Path) -> Mapping[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def _saved_model(root: Path, *, dtype: str | None = None) -> SavedModel:
+def _saved_model(root: Path, *, dtype: str | None = None, skip: Sequence[str] = ()) -> SavedModel:
     """`offload.hf.buffers.saved_model` (imports transformers); CheckpointError as it
     raises, and for a library that is not installed."""
     try:
@@ -139,7 +148,14 @@ def _saved_model(root: Path, *, dtype: str | None = None) -> SavedModel:
     except ImportError as exc:
         raise CheckpointError(f"the library that builds the model is not installed ({exc})", name=str(root),
                               value=None) from exc
-    return saved_model(root, dtype=None if dtype is None else getattr(torch, dtype))
+    return saved_model(root, dtype=None if dtype is None else getattr(torch, dtype), skip=tuple(skip))
+
+
+def _skipped(config: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """A quantization_config's ``modules_to_not_convert``, when it names module names."""
+    found = ((config or {}).get("quantization_config") or {})
+    names = found.get("modules_to_not_convert") if isinstance(found, Mapping) else None
+    return tuple(n for n in names if isinstance(n, str)) if isinstance(names, list) else ()
 
 
 def _questions(headers: CheckpointSpec) -> list[str]:
@@ -156,17 +172,25 @@ def _questions(headers: CheckpointSpec) -> list[str]:
     return found
 
 
-def _from_checkpoint(name: str, *, counted: str) -> Source:
+def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> Source:
     from offload.model.checkpoint import checkpoint_extents
 
     path, root = Path(name), _root(name)
     if path.is_dir() and not (root / _CONFIG).exists() and not _lists_weights(path):
         raise UserError(f"offload plan: {printable(name)}: no {SHARD_SUFFIX} files and no {_CONFIG}: nothing to plan "
                         f"from (a checkpoint directory, or its {_CONFIG} alone to plan before downloading)")
+    config = _read_config(root)
+    _, described = saved_quantization(config or {})
+    if described != "none" and quantization == INT8:
+        raise UserError(f"offload plan: --quantization int8: {printable(name)} was saved quantised ({described}, "
+                        "config.json quantization_config): its headers hold the quantised tensors; drop --quantization")
     tensors: Sequence[TensorHeader] = tuple(checkpoint_extents(name).tensors.values())
     result = spec_from_tensors(tensors)
     questions = _questions(result)
+    if quantization == INT8:
+        questions.append("which weights are nn.Linear ones, for --quantization int8")
     details: list[str] = []
+    quantised = ""
     if not questions:
         details.append("class:    not built: one stack of weights and biases, whose headers tell the plan all it "
                        "needs")
@@ -174,13 +198,23 @@ def _from_checkpoint(name: str, *, counted: str) -> Source:
         try:
             saved = _saved_model(root)
         except CheckpointError as exc:
+            if quantization == INT8:
+                raise UserError(f"offload plan: --quantization int8 needs the model class, to tell which weights are "
+                                f"nn.Linear ones: {exc.message}") from None
             details.append(f"buffers:  not known ({printable(exc.message)}): every tensor in a layer is planned as a "
                            "parameter, persistent buffers too")
         else:
             details.append(f"class:    {saved.source} built on meta from {_CONFIG}, for {'; '.join(questions)}")
+            if quantization == INT8:
+                tensors, quantised = _quantised(tensors, saved.linear_weights)
             result = spec_from_tensors(tensors, buffers=saved.buffers, running=saved.stacks)
             if result.buffers:
                 details.append(_buffer_line(result, saved.source, counted))
+    if quantised:
+        details.append(quantised)
+    elif described != "none":
+        details.append(f"quant:    as saved ({described}, config.json quantization_config): the headers hold the "
+                       "quantised tensors")
     return Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
                   details=(*_stack_lines(result, counted), *details))
 
@@ -193,15 +227,25 @@ def _lists_weights(folder: Path) -> bool:
         return True  # the checkpoint reader says why it cannot be listed
 
 
-def _from_config(name: str, root: Path, *, counted: str, dtype: str | None) -> Source:
+def _from_config(name: str, root: Path, *, counted: str, quantization: str | None, dtype: str | None) -> Source:
     config = _read_config(root)
+    saved_kind, described = saved_quantization(config or {})
+    if quantization is None and described != "none" and saved_kind is None:
+        raise UserError(f"offload plan: {printable(str(root / _CONFIG))}: its quantization_config is {described}, "
+                        "whose sizes cannot be told from a config; --quantization none plans the weights "
+                        "unquantised, --quantization int8 as torchao's int8 weight-only quantisation")
+    int8 = quantization == INT8 or (quantization is None and saved_kind == INT8)
     try:
-        saved = _saved_model(root, dtype=dtype)
+        saved = _saved_model(root, dtype=dtype, skip=_skipped(config) if int8 else ())
     except CheckpointError as exc:
         raise UserError(f"offload plan: {printable(name)} holds no {SHARD_SUFFIX} files, and its {_CONFIG} cannot be "
                         f"planned from: {exc.message}") from None
+    tensors: Sequence[TensorHeader] = saved.tensors
+    quantised = ""
+    if int8:
+        tensors, quantised = _quantised(tensors, saved.linear_weights)
     try:
-        result = spec_from_tensors(saved.tensors, buffers=saved.buffers, running=saved.stacks)
+        result = spec_from_tensors(tensors, buffers=saved.buffers, running=saved.stacks)
     except CheckpointError as exc:
         raise UserError(f"offload plan: {saved.source} built from {printable(str(root / _CONFIG))}: {exc.message}") \
             from None
@@ -210,10 +254,22 @@ def _from_config(name: str, root: Path, *, counted: str, dtype: str | None) -> S
         f"{_CONFIG} names none; --dtype to choose"
     details = [f"weights:  no weights were read: {saved.source} built on meta from {printable(str(root / _CONFIG))}, "
                f"in {saved.dtype} ({how}), its tensors as save_pretrained writes them", *_stack_lines(result, counted)]
+    if quantised:
+        details.append(quantised)
     if result.buffers:
         details.append(_buffer_line(result, saved.source, counted))
     return Source(spec=result.spec, origin=f"config {printable(str(root))}", outside_bytes=result.outside_bytes,
                   details=tuple(details))
+
+
+def _quantised(tensors: Sequence[TensorHeader], linear: frozenset[str]) -> tuple[tuple[TensorHeader, ...], str]:
+    """`tensors` int8 weight-only quantised (`int8_weight_only`), and the line saying so."""
+    converted = int8_weight_only(tensors, linear)
+    count = sum(1 for t in tensors if t.name in linear and len(t.shape) == 2)
+    before, after = sum(t.nbytes for t in tensors), sum(t.nbytes for t in converted)
+    return converted, (f"quant:    int8 weight-only (torchao Int8WeightOnlyConfig, per row), as a load with it leaves "
+                       f"them: {count_of(count, 'nn.Linear weight')} as int8 values, float32 row scales and int8 zero "
+                       f"points; {format_bytes(before)} as saved, {format_bytes(after)} quantised")
 
 
 def _stack_lines(result: CheckpointSpec, counted: str) -> list[str]:

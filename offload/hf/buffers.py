@@ -10,7 +10,8 @@ persistent buffers are listed, and so are its layer stacks in the order they run
 (`find_stacks`), which a checkpoint's names do not tell
 (`offload.pure.spec.stacks.match_stack_order`). The same model gives the tensors
 ``save_pretrained`` would write (transformers' own tie removal and weight renaming, run on
-meta), so that a model can be planned from its config before its weights are downloaded.
+meta), so that a model can be planned from its config before its weights are downloaded,
+and the ``nn.Linear`` weights a load-time quantisation converts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from offload.errors import CheckpointError, PlanError
 from offload.hf.layers import find_stacks
@@ -66,6 +68,10 @@ class SavedModel:
         tensors: every tensor ``save_pretrained`` writes, by its name in the checkpoint,
             each storage once (a tied head is written as its embedding), with its dtype
             and shape; the byte ranges lay them end to end in this order, as one file would.
+        linear_weights: the names (in the checkpoint) of the ``nn.Linear`` weights a
+            transformers load-time quantisation converts: its default skips (the output
+            head and what it is tied to, the class's ``_keep_in_fp32_modules``) and the
+            config's ``modules_to_not_convert`` left out.
     """
 
     source: str
@@ -73,6 +79,7 @@ class SavedModel:
     buffers: frozenset[str]
     stacks: tuple[tuple[str, int], ...]
     tensors: tuple[TensorHeader, ...]
+    linear_weights: frozenset[str]
 
 
 def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
@@ -96,7 +103,8 @@ def checkpoint_buffers(path: str | os.PathLike[str]) -> BufferNames:
     return BufferNames(names=saved.buffers, source=saved.source, stacks=saved.stacks)
 
 
-def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> SavedModel:
+def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                skip: tuple[str, ...] = ()) -> SavedModel:
     """The model class a checkpoint (or its ``config.json`` alone) was saved from, built on
     meta, as its checkpoint holds it (`SavedModel`). Imports transformers (or diffusers).
 
@@ -104,6 +112,8 @@ def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = Non
         path: the directory holding ``config.json`` (or a file in it).
         dtype: the dtype to build it in; None: the config's (``dtype``, ``torch_dtype``),
             which transformers applies; a diffusers config names none (float32).
+        skip: module names a quantisation leaves out besides transformers' defaults (a
+            ``quantization_config``'s ``modules_to_not_convert``).
 
     Raises:
         CheckpointError: no ``config.json``; no class named there; the library missing or
@@ -132,6 +142,7 @@ def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = Non
     model_state = model.state_dict(keep_vars=True)
     saved = _as_saved(model, model_state)  # the tensors themselves, under the names they are saved as
     buffer_ids = {id(b) for name, b in model.named_buffers(remove_duplicate=False) if name in model_state}
+    linear_ids = _linear_weights(model, skip)
     tensors: list[TensorHeader] = []
     begin = 0
     for name, tensor in saved.items():
@@ -152,7 +163,8 @@ def saved_model(path: str | os.PathLike[str], *, dtype: torch.dtype | None = Non
         source=model_class.__name__,
         dtype=str(next((t.dtype for t in model_state.values()), torch.float32)).removeprefix("torch."),
         buffers=frozenset(name for name, tensor in saved.items() if id(tensor) in buffer_ids),
-        stacks=stacks, tensors=tuple(tensors))
+        stacks=stacks, tensors=tuple(tensors),
+        linear_weights=frozenset(name for name, tensor in saved.items() if id(tensor) in linear_ids))
     log.debug("%s (%s): %d tensors, %d persistent buffers, stacks %s", found.source, where, len(found.tensors),
               len(found.buffers), stacks)
     return found
@@ -182,6 +194,23 @@ def _is_transformers(model: Any) -> bool:
     """Whether `model` is a transformers `PreTrainedModel` (transformers is not imported for this)."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _linear_weights(model: Any, skip: tuple[str, ...]) -> set[int]:
+    """The ``nn.Linear`` weights of `model` (their ids) that a transformers load-time
+    quantisation converts, by its own rule (`HfQuantizer.get_modules_to_not_convert`,
+    `should_convert_module`); of a model that is not a transformers one, every Linear's
+    but those `skip` names."""
+    linears = [(f"{name}.weight", module.weight) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear)]
+    if not _is_transformers(model):
+        return {id(weight) for name, weight in linears if not any(name.startswith(f"{s}.") for s in skip)}
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    kept = HfQuantizer.get_modules_to_not_convert(model, list(skip) or None,
+                                                  getattr(model, "_keep_in_fp32_modules", None))
+    return {id(weight) for name, weight in linears if should_convert_module(name, kept)}
 
 
 def _on_meta(model_class: Any, root: Path, dtype: torch.dtype | None = None) -> Any:
