@@ -12,12 +12,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from offload import capture_env
 from offload.cli import main
-from offload.cli.load import _ProgressScope
+from offload.cli.load import _forward_inputs, _ProgressScope
 from offload.cli.progress import ProgressLine
 from offload.pure.units import format_bytes
 from tests.hf.checkpoints import build, build_llava, build_whisper, save, save_any
@@ -158,9 +160,47 @@ def test_load_builds_the_saved_class(capsys: pytest.CaptureFixture[str], llava: 
     assert code == 0, err
     shown = lines_by_label(out)
     assert shown["model"].startswith(f"LlavaForConditionalGeneration from {llava}: ")  # not LlavaModel
-    assert shown["forward"].endswith("output (1, 8, 96), finite")  # the logits of its lm_head
+    assert shown["forward"].endswith("output (1, 12, 96), finite")  # the logits of its lm_head: 4 image tokens, 8 text
     assert shown["restore"].startswith("done; ")
     assert "as LlavaForConditionalGeneration (config.json architectures)" in err
+
+
+def test_load_of_a_vision_language_model_runs_an_image_of_its_config(capsys: pytest.CaptureFixture[str],
+                                                                      llava: Path) -> None:
+    """A forward that takes pixel_values gets one random image of the vision config's size,
+    after as many image tokens as the vision tower makes features: each patch of a CLIP
+    tower (its class token dropped, Llava's default), and says so."""
+    vision = json.loads((llava / "config.json").read_text())["vision_config"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    code, out, err = run(capsys, "load", str(llava), "--tokens", "5")
+    assert code == 0, err
+    forward = lines_by_label(out)["forward"]
+    channels, size = vision.get("num_channels", 3), vision["image_size"]
+    assert forward.startswith(f"1 random image ({channels}x{size}x{size} pixel_values, {patches} image tokens) and "
+                              "5 tokens in "), forward
+    assert forward.endswith(f"output (1, {patches + 5}, 96), finite")  # the image's features took its tokens' places
+
+
+class _Seeing(torch.nn.Module):
+    """A forward that takes token ids and pixel_values, with a config as given."""
+
+    def __init__(self, **config: object) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=16, **config)
+        self.proj = torch.nn.Linear(2, 2)
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
+        return self.proj.weight
+
+
+def test_an_image_that_cannot_be_built_leaves_the_text_alone_and_says_why() -> None:
+    cpu = torch.device("cpu")
+    inputs, said = _forward_inputs(_Seeing(vision_config=SimpleNamespace(num_channels=3)), 4, cpu)
+    assert inputs is not None and set(inputs) == {"input_ids"}
+    assert said == "4 tokens, text only: _Seeing takes pixel_values, but its config gives no image_size"
+    inputs, said = _forward_inputs(_Seeing(vision_config=SimpleNamespace(image_size=[6, 4], num_channels=1)), 4, cpu)
+    assert inputs is not None and set(inputs) == {"input_ids"}
+    assert said == "4 tokens, text only: _Seeing takes pixel_values, but has no image_token_id to place an image with"
 
 
 def test_load_of_whisper_offloads_both_stacks_and_runs_its_encoder_and_decoder(

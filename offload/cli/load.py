@@ -113,7 +113,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         print("device:   no accelerator (the compute device is the CPU): the mechanics run for real, nothing is saved")
     start = time.monotonic()
     try:
-        inputs = _forward_inputs(model, args.tokens, torch.device(plan.compute_device))
+        inputs, fed = _forward_inputs(model, args.tokens, torch.device(plan.compute_device))
         if inputs is not None:
             with torch.inference_mode():
                 output = model(**inputs)[0]
@@ -131,16 +131,19 @@ def cmd_load(args: argparse.Namespace) -> int:
               "model takes latents): the weights were loaded and offloaded, and are checked on restore below")
         print(f"stats:    {_stats_summary(offloader.stats())}")
         return _restore_and_check(model, offloader)
-    print(f"forward:  {args.tokens} tokens in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
+    print(f"forward:  {fed} in {time.monotonic() - start:.2f} s, output {tuple(output.shape)}, "
           f"{'finite' if bool(torch.isfinite(output).all()) else 'NOT FINITE'}")
     print(f"stats:    {_stats_summary(offloader.stats())}")
     return _restore_and_check(model, offloader)
 
 
-def _forward_inputs(model: Any, tokens: int, device: Any) -> dict[str, Any] | None:
-    """What the smoke forward hands `model`: `tokens` random token ids; for a model of audio
-    features and decoder ids (Whisper), random features and `tokens` decoder ids; None
-    for a model that takes neither (a diffusers model)."""
+def _forward_inputs(model: Any, tokens: int, device: Any) -> tuple[dict[str, Any] | None, str]:
+    """What the smoke forward hands `model`, and a phrase saying what it is: `tokens` random
+    token ids; for a model of audio features and decoder ids (Whisper), random features and
+    `tokens` decoder ids; for a model whose forward takes ``pixel_values`` (a
+    vision-language model), one random image of its vision config's size and channels
+    (`_image_inputs`), else the token ids alone and why; None for a model that takes
+    neither (a diffusers model)."""
     import inspect
 
     import torch
@@ -150,17 +153,82 @@ def _forward_inputs(model: Any, tokens: int, device: Any) -> dict[str, Any] | No
         names = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         names = set()
-    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    text = config.get_text_config() if config is not None and callable(getattr(config, "get_text_config", None)) \
+        else config
+    vocab = int(getattr(text, "vocab_size", None) or getattr(config, "vocab_size", 2) or 2)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, tokens), generator=generator).to(device)
+    said = f"{tokens} token{'' if tokens == 1 else 's'}"
+    dtype = next(iter(model.parameters())).dtype
     if "input_features" in names and "decoder_input_ids" in names and config is not None:
         frames = 2 * int(getattr(config, "max_source_positions", 1500))
         features = torch.randn(1, int(getattr(config, "num_mel_bins", 80)), frames, generator=generator)
-        dtype = next(iter(model.parameters())).dtype
-        return {"input_features": features.to(device=device, dtype=dtype), "decoder_input_ids": ids}
+        return {"input_features": features.to(device=device, dtype=dtype), "decoder_input_ids": ids}, said
+    if "pixel_values" in names and config is not None:
+        return _image_inputs(model, config, ids, said, names, generator, device, dtype)
     if "input_ids" in names:
-        return {"input_ids": ids}
-    return None
+        return {"input_ids": ids}, said
+    return None, ""
+
+
+def _image_inputs(model: Any, config: Any, ids: Any, said: str, names: set[str], generator: Any, device: Any,
+                  dtype: Any) -> tuple[dict[str, Any] | None, str]:
+    """One random image for a model whose forward takes ``pixel_values``: of the vision
+    config's (or the config's) ``image_size`` and ``num_channels``; with token ids, after
+    as many image tokens (``image_token_id``) as the model makes features of that image
+    (``get_image_features``, run once to count them). Token ids alone, saying why, when
+    the image cannot be built so."""
+    import torch
+
+    vision = getattr(config, "vision_config", None) or config
+    size, channels = getattr(vision, "image_size", None), getattr(vision, "num_channels", 3)
+    height, width = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) \
+        and len(size) == 2 else (None, None)
+    kind = type(model).__name__
+    text_only = {"input_ids": ids} if "input_ids" in names else None
+    if not (isinstance(height, int) and isinstance(width, int) and isinstance(channels, int)):
+        return text_only, f"{said}, text only: {kind} takes pixel_values, but its config gives no image_size"
+    pixels = torch.randn(1, channels, height, width, generator=generator).to(device=device, dtype=dtype)
+    image = f"1 random image ({channels}x{height}x{width} pixel_values"
+    if "input_ids" not in names:
+        return {"pixel_values": pixels}, image + ")"
+    token = next((value for value in (getattr(config, "image_token_id", None), getattr(config, "image_token_index", None))
+                  if isinstance(value, int)), None)
+    counter = getattr(model, "get_image_features", None)
+    if token is None or not callable(counter):
+        missing = "image_token_id" if token is None else "get_image_features"
+        return text_only, f"{said}, text only: {kind} takes pixel_values, but has no {missing} to place an image with"
+    try:
+        with torch.inference_mode():
+            count = _feature_count(counter(pixel_values=pixels))
+    except Exception as exc:  # a model that needs more than pixels (image sizes, grids): the text alone
+        lines = str(exc).strip().splitlines()
+        return text_only, (f"{said}, text only: {kind}.get_image_features refused a {channels}x{height}x{width} "
+                           f"image ({type(exc).__name__}: {lines[0] if lines else ''})")
+    if not count:
+        return text_only, f"{said}, text only: {kind}.get_image_features gave no features to count"
+    vocab = max(int(ids.max()) + 1, token + 1)
+    text = torch.where(ids == token, (ids + 1) % vocab, ids)  # no image token among the text
+    image_ids = torch.full((1, count), token, dtype=ids.dtype, device=ids.device)
+    return ({"input_ids": torch.cat([image_ids, text], dim=1), "pixel_values": pixels},
+            f"{image}, {count} image tokens) and {said}")
+
+
+def _feature_count(found: Any) -> int:
+    """How many feature vectors `get_image_features` gave (the image tokens they fill): a
+    tensor's rows but the last dimension, a list's summed, a model output's
+    ``pooler_output`` (transformers 5) or ``image_embeds``; 0 when none is found."""
+    import torch
+
+    if isinstance(found, torch.Tensor):
+        return found.shape[:-1].numel() if found.dim() >= 2 else 0
+    if isinstance(found, (list, tuple)):
+        return sum(_feature_count(item) for item in found)
+    for name in ("pooler_output", "image_embeds"):
+        inner = getattr(found, name, None)
+        if inner is not None:
+            return _feature_count(inner)
+    return 0
 
 
 def _model_class(name: str) -> Any:
