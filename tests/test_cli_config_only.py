@@ -174,3 +174,23 @@ def test_a_directory_with_neither_weights_nor_a_usable_config_is_a_clear_error(
     (junk / "config.json").write_text("{not json")
     code, out, err = _run(capsys, "plan", str(junk))
     assert code == 2 and "config.json cannot be planned from: " in err and "not a readable JSON file" in err
+
+
+def test_a_config_with_its_index_but_no_shards_plans_from_the_config(capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path) -> None:
+    """What a download of the JSON files alone leaves: the config and the shards' index."""
+    checkpoint = save(build("llama"), tmp_path / "llama", sharded=True)
+    [index] = checkpoint.glob("*.safetensors.index.json")
+    metadata = tmp_path / "metadata"
+    metadata.mkdir()
+    for file in (checkpoint / "config.json", index):
+        shutil.copy(file, metadata / file.name)
+    code, out, err = _run(capsys, "plan", str(checkpoint), "--backend", "none", "--json")
+    assert code == 0, err
+    expected = OffloadPlan.from_json(out).params
+    code, out, err = _run(capsys, "plan", str(metadata), "--backend", "none", "--json")
+    assert code == 0, err
+    assert OffloadPlan.from_json(out).params == expected
+    code, out, err = _run(capsys, "plan", str(metadata / "config.json"), "--backend", "none")
+    assert code == 0, err
+    assert _labelled(out, "weights")[0].startswith("weights:  no weights were read")
