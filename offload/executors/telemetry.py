@@ -27,7 +27,7 @@ def _positive_number(value: object) -> bool:
 
 @final
 class StepLog:
-    """Logs one line of stats (logger ``offload.pure.stats``, INFO) every N forward steps or
+    """Logs one line of stats (logger ``offload.stats``, INFO) every N forward steps or
     every S seconds, whichever comes first; off until `configure` turns it on. Asked once
     per step, it costs one attribute test while off."""
 

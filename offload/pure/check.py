@@ -84,6 +84,10 @@ class LiveCheck:
             static buffers).
         disk_params: the parameters of the disk tier (none without one).
         files: the checkpoint files the disk tier reads, each against the plan.
+        written_in_slots: prefetched parameters, as (layer, name), whose static slot holds
+            other values than their host copy while it holds their layer: written in
+            place through an alias of the slot (``param.data.copy_()``), which the next
+            copy into the slot loses (give new weights with ``load_weights``).
     """
 
     params: tuple[ParamLocation, ...]
@@ -91,6 +95,7 @@ class LiveCheck:
     plan_device_bytes: int
     disk_params: tuple[tuple[int, str], ...] = ()
     files: tuple[FileCheck, ...] = ()
+    written_in_slots: tuple[tuple[int, str], ...] = ()
 
     @property
     def differences(self) -> tuple[ParamLocation, ...]:
@@ -104,9 +109,9 @@ class LiveCheck:
 
     @property
     def ok(self) -> bool:
-        """True when every planned parameter is where the plan says and every file the
-        disk tier reads is as planned."""
-        return not self.differences and not self.changed_files
+        """True when every planned parameter is where the plan says, no slot holds values
+        written past its host copy, and every file the disk tier reads is as planned."""
+        return not self.differences and not self.changed_files and not self.written_in_slots
 
 
 def expected_place(plan: OffloadPlan, placement: Placement, *, ready: bool) -> Location:
@@ -147,4 +152,7 @@ def render_check(check: LiveCheck) -> str:
         lines.append(f"  disk tier: {len(check.disk_params)} parameters, read from {len(check.files)} checkpoint "
                      f"files ({len(check.changed_files)} changed since planning)")
         lines += [f"  file {f.path}: {', '.join(f.changes)} changed" for f in check.changed_files]
+    lines += [f"  layer {layer} {name}: its slot holds values written past its host copy (param.data written in "
+              "place?); the next copy loses them: give new weights with load_weights"
+              for layer, name in check.written_in_slots]
     return "\n".join(lines)

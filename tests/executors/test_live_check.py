@@ -106,3 +106,36 @@ def test_noop_everything_on_the_device() -> None:
     check = off.check()
     assert check.ok and _counts(check) == {Location.DEVICE: len(list(model.parameters()))}
     off.restore()
+
+
+def test_a_write_through_param_data_into_a_slot_is_reported_by_check_and_lost_at_the_next_copy() -> None:
+    # param.data.copy_() writes the slot through a tensor that shares no version counter
+    # with the Parameter: the forward's check cannot see it; check() compares the slots.
+    model = transformer_model(4)
+    twin = transformer_model(4)
+    plan = cpu_plan(model, OffloadConfig(group_size=1, prefetch_step=2))
+    off = prefetch(plan)
+    off.wrap_modules(layer_list(model))
+    off.post_init()
+    x = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        expected = twin(x)
+        assert torch.equal(model(x), expected)
+    assert off.check().written_in_slots == ()
+    # After a step the first positions' copies for the next step are in their slots.
+    layer = plan.offloaded_layers[0]
+    param = layer_list(model)[layer].get_parameter("mlp.up.weight")
+    version = param._version
+    with torch.no_grad():
+        param.data.copy_(torch.zeros_like(param))
+    assert param._version == version  # what the forward's own check reads did not move
+    check = off.check()
+    assert check.written_in_slots == ((layer, "mlp.up.weight"),)
+    assert not check.ok and check.differences == ()  # every parameter is where the plan says
+    assert f"layer {layer} mlp.up.weight: its slot holds values written past its host copy" in render_check(check)
+    with torch.no_grad():
+        assert not torch.equal(model(x), expected)  # the step computes with the write once...
+        assert torch.equal(model(x), expected)  # ...and the next copy brings the host copy back: it is lost
+    assert off.check().ok
+    off.restore()
+    assert torch.equal(param, twin[layer].get_parameter("mlp.up.weight"))

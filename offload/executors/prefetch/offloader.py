@@ -13,6 +13,7 @@ import functools
 from collections.abc import Sequence
 from typing import final
 
+import attrs
 import torch
 from torch import nn
 
@@ -369,7 +370,8 @@ class PrefetchOffloader(NewWeights):
     def check(self) -> LiveCheck:
         """Where every planned parameter is now: slots after post_init, host copies before
         (see `offload.executors.live`); with a disk tier, its parameters in their files
-        before post_init, and whether each file it reads is as planned.
+        before post_init, and whether each file it reads is as planned; after post_init,
+        each slot holding a layer compared with its host copies (`_slots_written`).
 
         Raises:
             ExecutionError: the model is not wrapped.
@@ -378,14 +380,17 @@ class PrefetchOffloader(NewWeights):
         slots = [t for buffers in self._buffers.values() for t in buffers.values()]
         disk = self._disk
         hosts = self._host.tensors()
-        return inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
-                              slots=slots, hosts=hosts,
-                              on_disk=[(p.layer, p.name) for p in disk.tier.params] if disk else (),
-                              in_files=[t for t in hosts if not disk.host.writable(t)] if disk else (),
-                              files=disk.files_now() if disk else ())
+        found = inspect_params(self._plan, self._layers, self._rt, ready=self._state is Lifecycle.READY,
+                               slots=slots, hosts=hosts,
+                               on_disk=[(p.layer, p.name) for p in disk.tier.params] if disk else (),
+                               in_files=[t for t in hosts if not disk.host.writable(t)] if disk else (),
+                               files=disk.files_now() if disk else ())
+        if self._state is not Lifecycle.READY:
+            return found
+        return attrs.evolve(found, written_in_slots=self._slots_written())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
-        """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward
+        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
         steps and/or every `seconds` seconds (checked at each step); no arguments: stop.
 
         Raises:

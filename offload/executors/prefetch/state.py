@@ -78,6 +78,9 @@ class PrefetchState:
         # id of an offloaded Parameter -> (it, the owner of its host copy): what a
         # conversion (`model.to()`, `_apply`) converts instead of its slot (post_init).
         self._convert_from: dict[int, tuple[nn.Parameter, Ref]] = {}
+        # Disk parameters ``load_state_dict`` is writing (`_route_begin`): id -> (the
+        # Parameter, its owner, the host tensor it points at meanwhile, its version then).
+        self._renewing: dict[int, tuple[nn.Parameter, Ref, torch.Tensor, int]] = {}
         # id of a module holding offloaded parameters -> (it, its entries: (key in its
         # _parameters, the Parameter, owner of its host copy, its slot data)), for
         # load_state_dict routing; id of a bound Parameter -> where it is in _bound

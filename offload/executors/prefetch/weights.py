@@ -36,9 +36,7 @@ class NewWeights(ForwardPath):
         self._convert_from = {}
         self._held = {}
         self._entries_of = {}
-        # Disk parameters ``load_state_dict`` is writing (`_route_begin`): id -> (the
-        # Parameter, its owner, the host tensor it points at meanwhile, its version then).
-        self._renewing: dict[int, tuple[nn.Parameter, Ref, torch.Tensor, int]] = {}
+        self._renewing = {}
         for p, param in bound:
             prefix, _, leaf = p.name.rpartition(".")
             holder = self._layers[p.layer].get_submodule(prefix) if prefix else self._layers[p.layer]
@@ -50,6 +48,34 @@ class NewWeights(ForwardPath):
             self._bound_names[position].append(p.name)
             self._convert_from[id(param)] = (param, owner)
         self._compile_checks()
+
+    def _slots_written(self) -> tuple[tuple[int, str], ...]:
+        """The prefetched parameters whose slot holds other values than their host copy,
+        among the positions whose slot holds their weights now (a copy issued for them
+        and not yet run, or kept): written in place through an alias of the slot, such as
+        ``param.data.copy_()``, which moves no version counter (Note [new weights]); the
+        next copy into the slot loses them. Waits for the copies in flight. Disk
+        positions are not compared (their host copies are their files), nor is anything
+        during a CUDA graph capture."""
+        if self._rt.is_capturing():
+            return ()
+        self._rt.synchronize()
+        disk = self._disk
+        found: list[tuple[int, str]] = []
+        for position in sorted(self._pending):
+            if disk is not None and disk.on_disk(position):
+                continue
+            for (_, _, param, pointer, _), name in zip(self._bound[position], self._bound_names[position], strict=True):
+                entry = self._convert_from.get(id(param))
+                if entry is None or param.data_ptr() != pointer:
+                    continue  # replaced or moved: the bound check refuses it at the next forward
+                host = self._host_of(entry[1])
+                data = param.data
+                if data.dtype != host.dtype or data.shape != host.shape:
+                    continue
+                if not torch.equal(data, host.to(data.device)):
+                    found.append((self._plan.offloaded_layers[position], name))
+        return tuple(found)
 
     def _compile_checks(self, positions: Sequence[int] | None = None) -> None:
         """(Re)generate the checks of `positions` (None: all) from `_bound`."""

@@ -274,7 +274,7 @@ class UVAOffloader(OnDemand):
                               views=views, hosts=self._host.tensors())
 
     def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
-        """Log one line of `stats()` (logger ``offload.pure.stats``, INFO) every `steps` forward
+        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
         steps and/or every `seconds` seconds (checked at each step; steps are counted only
         where some layer copies on demand); no arguments: stop.
 
