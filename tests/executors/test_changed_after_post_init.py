@@ -201,3 +201,21 @@ def test_a_deleted_parameter_is_refused_by_name(kind: str) -> None:
         with torch.no_grad():
             model(torch.randn(2, 16))
     assert info.value.value == layer
+
+
+@pytest.mark.parametrize("kind", PREFETCH)
+def test_a_conversion_holds_a_second_copy_of_the_offloaded_weights_until_restore(kind: str) -> None:
+    # What docs/guarantees.md says a conversion costs: the converted copies (here half the
+    # bytes, float32 to float16) beside the host copies, which the offloader keeps until
+    # restore() gives the model the converted ones.
+    model = linears(0)
+    off, plan = ready(kind, model, EVERY_LAYER)
+    held = off.stats().host_bytes  # type: ignore[attr-defined]
+    assert held == plan.host_bytes > 0
+    model.to(torch.float16)
+    converted = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                 for p in model.parameters() if p.dtype == torch.float16}
+    assert sum(converted.values()) == plan.host_bytes // 2  # every weight converted, each a storage of its own
+    assert off.stats().host_bytes == held  # and the host copies are still held: 1.5x in all
+    off.restore()  # type: ignore[attr-defined]
+    assert all(p.dtype == torch.float16 for p in model.parameters())
