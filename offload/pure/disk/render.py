@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 from offload.pure.disk.tier import DiskSource, DiskTierPlan
+from offload.pure.fit.step import StepEstimate
+from offload.pure.plan.plan import OffloadPlan, PlanWarning, WarningCode
 from offload.pure.units import format_bytes
 
-__all__ = ["render_disk_tier"]
+__all__ = ["render_disk_tier", "tier_warnings"]
+
+
+def tier_warnings(plan: OffloadPlan, tier: DiskTierPlan, step: StepEstimate) -> tuple[PlanWarning, ...]:
+    """`plan`'s warnings as they stand with `tier` and its estimate `step`
+    (`estimate_with_tier`): when the disk's reads bound the step (they take longer than
+    the resident compute and the link), a deeper prefetch helps nothing, so the plan's
+    ``prefetch_stalls`` advice gives way to a ``disk_bound`` warning that says what does:
+    a host budget that holds more layers, or a faster disk."""
+    floor = step.disk_read_seconds
+    if not tier.disk_positions or floor <= max(step.compute_seconds, step.link_seconds):
+        return plan.warnings
+    layer = max(tier.disk_bytes // len(tier.disk_positions), 1)
+    kept = [w for w in plan.warnings if w.code is not WarningCode.PREFETCH_STALLS]
+    return (*kept, PlanWarning(code=WarningCode.DISK_BOUND, message=(
+        f"the step is bound by the disk tier's reads: {floor * 1e3:.1f} ms per step at {tier.disk_gbps:g} GB/s, "
+        f"against {max(step.compute_seconds, step.link_seconds) * 1e3:.1f} ms of compute or copies, so no prefetch "
+        f"depth helps; each {format_bytes(layer)} more of host budget keeps about one more layer off the disk "
+        f"({format_bytes(tier.disk_bytes)} more keeps them all), or read from a faster disk")))
 
 
 def _ranges(values: tuple[int, ...]) -> str:

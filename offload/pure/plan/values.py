@@ -78,6 +78,7 @@ class WarningCode(enum.Enum):
     PLAN_REVISED = "plan_revised"
     HOST_PARAMS_KEPT = "host_params_kept"
     DEVICE_MEMORY_SHORT = "device_memory_short"
+    DISK_BOUND = "disk_bound"
 
 
 @attrs.frozen(kw_only=True)

@@ -89,3 +89,24 @@ def test_the_limit_holds_the_disks_floor_and_the_text_says_so() -> None:
     assert "(compute, link, disk)" in text
     # Without a disk tier the limit is compute and link, as before.
     assert "(compute, link)\n" in render_estimate(estimate(plan, PROFILE, Workload()))
+
+
+def test_a_step_bound_by_the_disk_warns_of_the_disk_not_of_the_prefetch_depth() -> None:
+    from offload.pure.disk.render import tier_warnings
+    from offload.pure.plan.plan import WarningCode
+
+    plan, tier = _planned()  # every layer offloaded at depth 2: the plan warns of stalls
+    assert WarningCode.PREFETCH_STALLS in {w.code for w in plan.warnings}
+    slow = attrs.evolve(tier, disk_gbps=0.01)
+    warnings = tier_warnings(plan, slow, estimate_with_tier(plan, slow, PROFILE, Workload()))
+    codes = [w.code for w in warnings]
+    assert WarningCode.PREFETCH_STALLS not in codes and codes.count(WarningCode.DISK_BOUND) == 1
+    (bound,) = [w for w in warnings if w.code is WarningCode.DISK_BOUND]
+    assert "no prefetch depth helps" in bound.message and "host budget" in bound.message
+    assert "0.01 GB/s" in bound.message
+    # The plan's other warnings stay, in their order.
+    assert [w for w in warnings if w.code is not WarningCode.DISK_BOUND] == \
+        [w for w in plan.warnings if w.code is not WarningCode.PREFETCH_STALLS]
+    # A disk fast enough to hide its reads leaves the plan's warnings as they are.
+    fast = attrs.evolve(tier, disk_gbps=1e12)
+    assert tier_warnings(plan, fast, estimate_with_tier(plan, fast, PROFILE, Workload())) == plan.warnings
