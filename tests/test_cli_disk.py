@@ -97,3 +97,43 @@ def test_a_fit_with_a_host_budget_puts_the_chosen_plans_last_layers_on_disk(
     assert "at 1.5 GB/s a pass reads for at least" in text
     assert len([line for line in text.splitlines() if line.startswith("estimate on h200-pcie5")]) == 2  # fit, tier
     assert re.search(r"^disk += [\d.]+ (ms|s) of reads per step", text, re.M), text
+
+
+def test_fit_with_both_budgets_where_the_device_budget_alone_picks_uva(capsys: pytest.CaptureFixture[str]) -> None:
+    # 12 GiB of an H200 for llama-8b: the fit alone picks UVA, whose host copies a host
+    # budget of 2 GiB cannot hold; with both budgets the fit picks the fastest plan that
+    # the disk tier can run (it said "--host-gib needs a prefetch plan").
+    code, alone, _ = _run(capsys, "plan", "llama-8b", "--fit-gib", "12", "--profile", "h200-pcie5")
+    assert code == 0 and "chosen:  uva" in alone
+    code, out, err = _run(capsys, "plan", "llama-8b", "--fit-gib", "12", "--profile", "h200-pcie5", "--host-gib", "2")
+    assert code == 0, err
+    assert "chosen:  prefetch" in out
+    disk = re.search(r"host:     .* = ([0-9.]+) GiB \(budget 2\.00 GiB\)", out)
+    assert disk is not None and float(disk.group(1)) <= 2.0, out
+    document = json.loads(_run(capsys, "plan", "llama-8b", "--fit-gib", "12", "--profile", "h200-pcie5",
+                               "--host-gib", "2", "--json")[1])
+    tier = DiskTierPlan.from_json(json.dumps(document["disk"]))
+    assert tier.host_bytes <= 2 * GIB and tier.disk_positions
+
+
+def test_fit_with_budgets_no_plan_meets_exits_2_naming_the_least_that_work(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "plan", "llama-8b", "--fit-gib", "12", "--profile", "h200-pcie5", "--host-gib", "0.1")
+    assert code == 2
+    assert "no configuration fits both the device budget" in err
+    least = re.search(r"the least host budget is [^(]*\((\d+) bytes", err)
+    assert least is not None, err
+    code, out, _ = _run(capsys, "plan", "llama-8b", "--fit-gib", "12", "--profile", "h200-pcie5",
+                        "--host-gib", f"{int(least.group(1)) / GIB + 1e-6}")
+    assert code == 0, out
+
+
+def test_a_plan_bound_by_its_disk_reads_warns_of_the_disk_not_the_depth(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "llama-8b", "--group-size", "1", "--prefetch-step", "2",
+                        "--profile", "h200-pcie5")
+    assert code == 0 and "[prefetch_stalls]" in out  # without a disk tier: the depth is the advice
+    code, out, _ = _run(capsys, "plan", "llama-8b", "--group-size", "1", "--prefetch-step", "2",
+                        "--profile", "h200-pcie5", "--host-gib", "4", "--disk-gbps", "1.5")
+    assert code == 0
+    assert "[prefetch_stalls]" not in out
+    assert "[disk_bound]" in out and "no prefetch depth helps" in out
+    assert re.search(r"limit += max\(.*\) = .* \(compute, link, disk\)", out), out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -19,11 +20,12 @@ from offload.cli.parser import (
 from offload.cli.plan_source import Source, has_weights, plan_source
 from offload.errors import ConfigError, PlanError
 from offload.pure.config import OffloadConfig
-from offload.pure.disk.render import render_disk_tier
+from offload.pure.disk.estimate import estimate_with_tier
+from offload.pure.disk.render import render_disk_tier, tier_warnings
+from offload.pure.disk.search import fit_with_tier
 from offload.pure.disk.tier import DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot, Platform
-from offload.pure.fit.candidates import describe
-from offload.pure.fit.estimate import Workload, estimate
+from offload.pure.fit.estimate import StepEstimate, Workload, estimate
 from offload.pure.fit.profiles import (
     DeviceProfile,
     planning_env,
@@ -34,11 +36,14 @@ from offload.pure.fit.profiles import (
 from offload.pure.fit.render import render_estimate, render_fit
 from offload.pure.fit.search import fit
 from offload.pure.plan.make import make_plan
-from offload.pure.plan.plan import Backend, OffloadPlan
+from offload.pure.plan.plan import OffloadPlan
 from offload.pure.plan.render import render_plan
 from offload.pure.spec.presets import PRESETS
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
+
+if TYPE_CHECKING:
+    from offload.model.checkpoint import CheckpointExtents
 
 
 def _take_source(args: argparse.Namespace) -> None:
@@ -130,24 +135,30 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         # Planning for the profile's device from a machine without one: the budget is the
         # device memory the model may use there.
         env = planning_env(env, attrs.evolve(profile, device_memory_bytes=budget))
+    disk = _disk_request(args)
+    workload = Workload(tokens_per_step=args.tokens)
     try:
-        result = fit(
-            spec, env, profile, Workload(tokens_per_step=args.tokens), budget,
-            outside_bytes=source.outside_bytes, reserve_bytes=gib_bytes(args.reserve_gib),
-            param_filter=tuple(args.filter),
-        )
+        if disk is None:
+            result = fit(spec, env, profile, workload, budget, outside_bytes=source.outside_bytes,
+                         reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter))
+            tier = None
+        else:
+            # Both budgets: the fit searches the plans whose host copies, with a disk tier
+            # where they need one, fit the host budget (offload.pure.disk.search).
+            found = _extents(args)
+            both = fit_with_tier(spec, env, profile, workload, budget, host_budget_bytes=disk[0], disk_gbps=disk[1],
+                                 read_ahead=disk[2], outside_bytes=source.outside_bytes,
+                                 reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
+                                 layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
+                                 tensors=found.tensors if found is not None else None,
+                                 extents=found.extents if found is not None else None,
+                                 files=found.files if found is not None else ())
+            result, tier = both.fit, both.tier
     except PlanError as exc:
         if len(spec.stack_ranges) < 2:
             raise
         stacks = "; ".join(line.removeprefix("stack:").strip() for line in source.details if line.startswith("stack:"))
         raise PlanError(f"{exc} (the model's stacks, all planned: {stacks})", name=exc.name, value=exc.value) from exc
-    # The fit places the device's bytes; a host budget then puts the last offloaded layers of
-    # the chosen plan on disk (what stays on the device does not depend on it).
-    tier = _disk_tier(args, result.plan, spec, env) if result.plan.backend is Backend.PREFETCH or \
-        args.host_gib is None else None
-    if args.host_gib is not None and tier is None:
-        raise UserError(f"offload plan: --host-gib needs a prefetch plan; the fit chose {result.chosen.config.backend} "
-                        f"({describe(result.chosen.config)})")
     if args.json:
         if tier is None:
             print(result.to_json(indent=2))
@@ -156,28 +167,31 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         return 0
     _print_model(source)
     print(f"profile:  {profile.name} ({profile.device_name})")
-    # With a disk tier the chosen plan runs with it: its host memory is the tier's.
-    print(render_fit(result if tier is None else attrs.evolve(result, plan=_with_tier_admission(result.plan, tier))))
+    if disk is not None and tier is None:
+        print(f"host:     the host budget of {format_bytes(disk[0])} holds every offloaded weight: no disk tier")
+    # With a disk tier the chosen plan runs with it: its host memory is the tier's, and its
+    # warnings are those of a plan that reads from disk (result.estimate is with the tier).
+    shown = result if tier is None else attrs.evolve(result, plan=_with_tier(result.plan, tier, result.estimate))
+    print(render_fit(shown))
     if tier is not None:
-        from offload.pure.disk.estimate import estimate_with_tier
-
         plan = result.plan
         print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
         print()  # the estimate's own heading follows; the disk tier above says what it reads, at what rate
-        print(render_estimate(estimate_with_tier(plan, tier, profile, Workload(tokens_per_step=args.tokens))))
+        print(render_estimate(result.estimate))
     return 0
 
 
-def _with_tier_admission(plan: OffloadPlan, tier: DiskTierPlan) -> OffloadPlan:
-    """`plan` with the host admission it has when it runs with `tier` (the host tier and
-    the staging ring; the disk layers take no host memory), for printing."""
-    return attrs.evolve(plan, host_admission=tier.host_admission)
+def _with_tier(plan: OffloadPlan, tier: DiskTierPlan, step: StepEstimate | None) -> OffloadPlan:
+    """`plan` as it runs with `tier`, for printing: the host admission of the host tier and
+    the staging ring (the disk layers take no host memory), and with its estimate `step`
+    the warnings of a plan that reads from disk (`tier_warnings`)."""
+    shown = attrs.evolve(plan, host_admission=tier.host_admission)
+    return shown if step is None else attrs.evolve(shown, warnings=tier_warnings(plan, tier, step))
 
 
-def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
-               env: EnvSnapshot | None = None) -> DiskTierPlan | None:
-    """The disk tier ``--host-gib`` asks for (None without it): a checkpoint's parameters
-    read from its files where they lie as the model holds them; a preset's all spilled."""
+def _disk_request(args: argparse.Namespace) -> tuple[int, float, int] | None:
+    """(host budget bytes, disk GB/s, read-ahead) that ``--host-gib`` asks for (None
+    without it), its flags checked."""
     if args.host_gib is None:
         given = next((flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--read-ahead", args.read_ahead))
                       if value is not None), None)
@@ -188,15 +202,30 @@ def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
         raise UserError("offload plan: --host-gib must be greater than 0")
     if args.disk_gbps is not None and args.disk_gbps <= 0:
         raise UserError("offload plan: --disk-gbps must be greater than 0")
-    found = None
-    if has_weights(args.source):  # a config alone, like a preset, has no file to read from
-        from offload.model.checkpoint import checkpoint_extents
+    return (gib_bytes(args.host_gib), float(args.disk_gbps if args.disk_gbps is not None else DEFAULT_DISK_GBPS),
+            args.read_ahead if args.read_ahead is not None else 2)
 
-        found = checkpoint_extents(args.source)
+
+def _extents(args: argparse.Namespace) -> CheckpointExtents | None:
+    """Where a checkpoint's tensors lie in its files (None for a preset or a config alone,
+    which have no file to read from)."""
+    if not has_weights(args.source):
+        return None
+    from offload.model.checkpoint import checkpoint_extents
+
+    return checkpoint_extents(args.source)
+
+
+def _disk_tier(args: argparse.Namespace, plan: OffloadPlan, spec: ModelSpec,
+               env: EnvSnapshot | None = None) -> DiskTierPlan | None:
+    """The disk tier ``--host-gib`` asks for (None without it): a checkpoint's parameters
+    read from its files where they lie as the model holds them; a preset's all spilled."""
+    disk = _disk_request(args)
+    if disk is None:
+        return None
+    found = _extents(args)
     return plan_disk_tier(
-        plan, host_budget_bytes=gib_bytes(args.host_gib),
-        disk_gbps=args.disk_gbps if args.disk_gbps is not None else DEFAULT_DISK_GBPS,
-        read_ahead=args.read_ahead if args.read_ahead is not None else 2,
+        plan, host_budget_bytes=disk[0], disk_gbps=disk[1], read_ahead=disk[2],
         layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
         tensors=found.tensors if found is not None else None, extents=found.extents if found is not None else None,
         files=found.files if found is not None else (), env=env)
@@ -241,17 +270,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "config:   default (prefetch, group size 4, 1 offloaded layer per group, depth 2); "
             "choose with --group-size/--num-in-group/--prefetch-step, --uva-gib or --backend"
         )
-    # With a disk tier the plan runs with it: its host memory is the tier's.
-    print(render_plan(plan if tier is None else _with_tier_admission(plan, tier), per_param=args.params))
+    workload = Workload(tokens_per_step=args.tokens)
+    step = None
+    if profile is not None:
+        step = estimate(plan, profile, workload) if tier is None else estimate_with_tier(plan, tier, profile, workload)
+    # With a disk tier the plan runs with it: its host memory is the tier's, its warnings
+    # those of a plan that reads from disk.
+    print(render_plan(plan if tier is None else _with_tier(plan, tier, step), per_param=args.params))
     if tier is not None:
         print(render_disk_tier(tier, device_bytes=plan.device_bytes_resident + plan.device_bytes_buffers))
-    if profile is not None:
+    if step is not None:
         print()  # the estimate's own heading names the profile and the tokens per step
-        workload = Workload(tokens_per_step=args.tokens)
-        if tier is None:
-            print(render_estimate(estimate(plan, profile, workload)))
-        else:
-            from offload.pure.disk.estimate import estimate_with_tier
-
-            print(render_estimate(estimate_with_tier(plan, tier, profile, workload)))
+        print(render_estimate(step))
     return 0
