@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any, Protocol, final
 
 import attrs
-import torch
 
 from offload.capture.proc import MAPS_PATH, ReadText, read_proc_text
 from offload.logs import logger
@@ -30,6 +29,8 @@ __all__ = [
     "TorchCudaProbe",
     "open_libcudart",
     "probe_device",
+    "GPU_DEVICE_FILES",
+    "gpu_may_be_present",
     "torch_cuda_probe",
 ]
 
@@ -202,6 +203,8 @@ class TorchCudaProbe:
         Raises:
             ProbeError: torch could not initialise CUDA or read the device.
         """
+        import torch
+
         try:
             props = torch.cuda.get_device_properties(self._index)
         except (RuntimeError, AssertionError) as exc:  # torch raises both for a broken CUDA
@@ -271,6 +274,8 @@ def open_libcudart(read_text: ReadText = read_proc_text) -> ctypes.CDLL:
     maps = read_text(MAPS_PATH)
     if maps is None:
         raise ProbeError(f"cannot read {MAPS_PATH} to find libcudart")
+    import torch
+
     built_with = torch.version.cuda  # "13.0" on CUDA builds, None on others
     path = find_libcudart(maps, str(built_with).split(".")[0] if built_with else None)
     if path is None:
@@ -290,6 +295,19 @@ def torch_cuda_probe(read_text: ReadText = read_proc_text) -> CudaProbe | None:
     Returns:
         A `TorchCudaProbe` for ``cuda:0``, or None.
     """
+    import torch
+
     if not torch.cuda.is_available():
         return None
     return TorchCudaProbe(read_text)
+
+
+#: Device files one of which a GPU torch can use makes: NVIDIA's driver (``/dev/nvidiactl``,
+#: in containers too), WSL's GPU paravirtualisation (``/dev/dxg``), ROCm's (``/dev/kfd``).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/dxg", "/dev/kfd")
+
+
+def gpu_may_be_present(exists: Callable[[str], bool] = os.path.exists) -> bool:
+    """Whether any of `GPU_DEVICE_FILES` exists: without one, torch can see no GPU, and
+    the probe need not import torch (seconds) to find none."""
+    return any(exists(path) for path in GPU_DEVICE_FILES)

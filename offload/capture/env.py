@@ -24,11 +24,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-
-import torch
+from importlib import metadata
 
 from offload.capture.cgroup import with_cgroup_memory
-from offload.capture.device import CudaProbe, probe_device, torch_cuda_probe
+from offload.capture.device import CudaProbe, gpu_may_be_present, probe_device, torch_cuda_probe
 from offload.capture.numa import with_numa_topology
 from offload.capture.proc import ReadText, probe_meminfo, probe_memlock, probe_wsl, read_proc_text
 from offload.logs import logger
@@ -85,11 +84,26 @@ def probe_platform(read_text: ReadText, cuda: CudaProbe | None, *, torch_version
     )
 
 
+def _installed_torch_version() -> str:
+    """torch's version as installed (its package metadata), without importing it; the
+    imported module's where torch is imported already."""
+    import sys
+
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return str(loaded.__version__)
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def capture_env(environ: Mapping[str, str] = os.environ) -> EnvSnapshot:
     """Capture the user's switches and this machine's platform, once.
 
     On a CUDA machine this initialises CUDA in the calling process (as any use of the GPU
-    would), so call it after forking worker processes, not before.
+    would), so call it after forking worker processes, not before. On a machine with no GPU
+    device file (`offload.capture.device.GPU_DEVICE_FILES`) torch is not imported for it.
 
     Args:
         environ: the environment variables; ``os.environ`` unless a caller passes its own.
@@ -103,9 +117,13 @@ def capture_env(environ: Mapping[str, str] = os.environ) -> EnvSnapshot:
             of one switch disagree.
     """
     flags = parse_env(environ)
-    platform = probe_platform(
-        read_proc_text, torch_cuda_probe(read_proc_text), torch_version=str(torch.__version__)
-    )
+    if gpu_may_be_present():
+        import torch
+
+        cuda, version = torch_cuda_probe(read_proc_text), str(torch.__version__)
+    else:  # no GPU device file: torch would find none; not imported for that (seconds)
+        cuda, version = None, _installed_torch_version()
+    platform = probe_platform(read_proc_text, cuda, torch_version=version)
     platform = with_numa_topology(platform)  # sysfs: the host's NUMA nodes and the GPU's
     platform = with_cgroup_memory(platform)  # the cgroup's memory limit, which the OOM killer enforces
     return EnvSnapshot(flags=flags, platform=platform)

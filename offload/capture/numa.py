@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import attrs
-import torch
 
 from offload.logs import logger
 from offload.pure.env.numa import (
@@ -107,6 +106,8 @@ def torch_gpu_bus_id(index: int = 0) -> str:
     Raises:
         RuntimeError: torch cannot read the device, or this torch does not report them.
     """
+    import torch
+
     props = torch.cuda.get_device_properties(index)
     try:
         domain, bus, device = (int(getattr(props, name)) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id"))

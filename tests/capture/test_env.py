@@ -392,3 +392,30 @@ def test_a_library_without_cuda_get_last_error_still_reads_attributes() -> None:
     probe = TorchCudaProbe(proc(), open_library=lambda _read: Minimal())
     with pytest.raises(ProbeError, match="cudaError 2"):
         probe.attribute(ATTR_CAN_MAP_HOST_MEMORY)
+
+
+def test_without_a_gpu_device_file_the_probe_does_not_need_torch() -> None:
+    from offload.capture.device import GPU_DEVICE_FILES, gpu_may_be_present
+
+    assert not gpu_may_be_present(lambda path: False)
+    for path in GPU_DEVICE_FILES:
+        assert gpu_may_be_present(lambda p, path=path: p == path)  # type: ignore[misc]
+
+
+def test_capture_in_a_fresh_process_without_a_gpu_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    from offload.capture.device import gpu_may_be_present
+
+    code = ("import sys; from offload.capture import capture_env; env = capture_env(); "
+            "print(env.platform.has_cuda, 'torch' in sys.modules, env.platform.torch_version)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    has_cuda, imported, version = done.stdout.split()
+    import torch
+
+    assert version == torch.__version__
+    if not gpu_may_be_present():
+        assert (has_cuda, imported) == ("False", "False")
+    else:
+        assert imported == "True"
