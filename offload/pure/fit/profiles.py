@@ -236,9 +236,11 @@ def profile_from_numbers(
 ) -> DeviceProfile:
     """A profile from measured (achieved) numbers in the units people quote.
 
-    Every number not given is taken from `base`; without a base, `link_gbps` and `tflops`
-    are required, the pageable rate defaults to the pinned rate x `PAGEABLE_RATIO` (the
-    6.6x gap measured on PCIe), the zero-copy fraction to 0.90, weight reads to None
+    Every number not given is taken from `base`, except that a `link_gbps` given without
+    `pageable_gbps` moves the pageable rate with it, at the base's ratio of pageable to
+    pinned; without a base, `link_gbps` and `tflops` are required, the pageable rate
+    defaults to the pinned rate x `PAGEABLE_RATIO` (the 6.6x gap measured on PCIe), the
+    zero-copy fraction to 0.90, weight reads to None
     (compute from FLOPs alone) and device memory to 0 (unknown). Each rate given must be
     from 1 to `MAX_RATE` once in bytes/s or FLOP/s (``link_gbps`` from 1e-9 to 1e12).
 
@@ -271,6 +273,12 @@ def profile_from_numbers(
         pageable = pageable_gbps * GB
     elif base is not None and link_gbps is None:
         pageable = base.pageable_h2d_bytes_per_s
+    elif base is not None:
+        # The base's own ratio: a link measured faster or slower moves both rates (GH200's
+        # pageable reads go through the host's page tables at half the pinned rate, not
+        # at PCIe's 6.6x slower one), kept within the range a profile holds.
+        ratio = base.pageable_h2d_bytes_per_s / base.pinned_h2d_bytes_per_s
+        pageable = min(MAX_RATE, max(MIN_RATE, pinned * ratio))
     else:
         pageable = pinned * PAGEABLE_RATIO
     return DeviceProfile(
