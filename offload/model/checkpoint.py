@@ -1,7 +1,9 @@
 """Read a model's shapes from the headers of its safetensors files, never its weights.
 
 For each file this reads the 8-byte header length and the JSON header, nothing more: a
-70B checkpoint is planned in milliseconds without touching its 140 GB of data. The
+70B checkpoint is planned in milliseconds without touching its 140 GB of data. The header
+is read without readahead and its pages are dropped after, so that reading the headers
+leaves nothing of the checkpoint in the page cache. The
 parsing, the index checks and the grouping into layers are pure
 (`offload.pure.spec.safetensors`); this module only finds the files and reads their first
 bytes.
@@ -21,6 +23,7 @@ shown as they are when printable, else as their ``repr``, so every message is on
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import stat
 import struct
@@ -217,6 +220,17 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[TensorHeader,
     return _read_header(Path(path))[0]
 
 
+def _advise(fd: int, length: int, advice: int) -> None:
+    """``posix_fadvise`` of `fd`'s first `length` bytes rounded up to whole pages (0: the
+    whole file), best effort: a header is read once, and a model larger than host memory
+    must not leave its checkpoint in the page cache."""
+    page = mmap.PAGESIZE
+    try:
+        os.posix_fadvise(fd, 0, -(-length // page) * page, advice)
+    except OSError:
+        pass
+
+
 def _identity(path: Path, info: os.stat_result) -> FileIdentity:
     return FileIdentity(path=os.fspath(path), size=info.st_size, mtime_ns=info.st_mtime_ns, inode=info.st_ino,
                         device=info.st_dev)
@@ -229,6 +243,7 @@ def _read_header(file_path: Path) -> tuple[tuple[TensorHeader, ...], int, FileId
         with open(file_path, "rb", buffering=0) as file:
             info = os.fstat(file.fileno())
             file_bytes = info.st_size
+            _advise(file.fileno(), 0, os.POSIX_FADV_RANDOM)  # no readahead into the data
             (header_bytes,) = _LENGTH.unpack(_read_exactly(file, _LENGTH.size, file_path, "header length"))
             if header_bytes > MAX_HEADER_BYTES:
                 _fail(f"{_shown(file_path)}: header length {header_bytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
@@ -237,6 +252,7 @@ def _read_header(file_path: Path) -> tuple[tuple[TensorHeader, ...], int, FileId
                 _fail(f"{_shown(file_path)}: truncated: header length {header_bytes} bytes but only "
                       f"{file_bytes - _LENGTH.size} bytes follow the length field", file_path, header_bytes)
             header = _read_exactly(file, header_bytes, file_path, "header")
+            _advise(file.fileno(), _LENGTH.size + header_bytes, os.POSIX_FADV_DONTNEED)  # the pages read, let go
     except OSError as error:
         _os_error(file_path, error)
     data_bytes = file_bytes - _LENGTH.size - header_bytes

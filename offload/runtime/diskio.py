@@ -4,9 +4,10 @@ A request (file, offset, length, destination) is cut into chunks at multiples of
 ``chunk_bytes`` of the file, read on a small thread pool (``os.preadv`` releases the GIL).
 `ReadMode.DIRECT` reads use ``O_DIRECT`` (aligned spans, through aligned staging buffers
 unless the destination is aligned like the file); where the filesystem refuses it, or with
-``direct=False``, `ReadMode.BUFFERED` reads are followed by ``POSIX_FADV_DONTNEED``, so the
-page cache does not grow. Short reads and ``OSError`` are `ExecutionError` naming the file
-and offset; nothing about a failure is remembered. docs/disk.md has the why and the numbers.
+``direct=False``, `ReadMode.BUFFERED` reads go without readahead (``POSIX_FADV_RANDOM``) and
+are followed by ``POSIX_FADV_DONTNEED``, so the page cache does not grow. Short reads and
+``OSError`` are `ExecutionError` naming the file and offset; nothing about a failure is
+remembered. docs/disk.md has the why and the numbers.
 """
 
 from __future__ import annotations
@@ -306,6 +307,8 @@ class DiskReader:
                         log.info("%s refuses O_DIRECT (%s); reading it buffered, dropping its pages after", name, exc)
                     fd = fd if direct else self._ops.open(name, os.O_RDONLY)
                 mode = ReadMode.DIRECT if direct else ReadMode.BUFFERED
+                if not direct:
+                    _no_readahead(fd)
                 self._files[key] = _File(name=name, fd=fd, mode=mode, owned=not isinstance(source, int))
             return self._files[key]
 
@@ -320,6 +323,7 @@ class DiskReader:
                                      "path instead (the reader then reads it buffered)", name=file.name, value=fd)
             file.retired.append(fd)
             file.fd, file.mode = self._ops.open(file.name, os.O_RDONLY), ReadMode.BUFFERED
+            _no_readahead(file.fd)
         log.info("%s refused an O_DIRECT read; reading it buffered, dropping its pages after", file.name)
 
     def _read_chunk(self, file: _File, handle: ReadHandle, start: int, end: int) -> tuple[str, int]:
@@ -378,6 +382,17 @@ class DiskReader:
             address = raw.data_ptr() + (-raw.data_ptr() % self._block)
             found = self._local.staging = (_bytes_at(address, self._chunk), address)
         return found
+
+
+def _no_readahead(fd: int) -> None:
+    """Read `fd` without readahead (``POSIX_FADV_RANDOM``; best effort): a buffered read
+    then brings only the pages asked for, which it drops after, where readahead would
+    leave the pages past each run in the page cache (up to the device's ``read_ahead_kb``:
+    8 MiB on this machine). A hint on how the fd is read, not a read: not in `FileOps`."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError:
+        pass
 
 
 def _check(file: _File, handle: ReadHandle, end: int, reached: int) -> None:

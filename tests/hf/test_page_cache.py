@@ -1,0 +1,88 @@
+"""What reading a checkpoint leaves in the page cache: nothing. The safetensors headers are
+read without readahead and dropped; where a filesystem refuses ``O_DIRECT`` the reader
+reads buffered without readahead and drops the pages it read. Each checkpoint file is checked page by page with
+``mincore`` (`cached_pages`) after its pages were evicted; on a filesystem that keeps its
+files in memory (tmpfs) there is nothing to measure and the tests skip."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.model.checkpoint import checkpoint_extents
+from offload.runtime.diskio import BLOCK_BYTES, DiskReader
+from tests.hf.checkpoints import build, save
+
+
+def cached_pages(path: Path) -> int:
+    """How many pages of `path` are in the page cache (``mincore`` of a private mapping:
+    asking faults nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with path.open("rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as region:
+        vector = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        return sum(v & 1 for v in vector)
+
+
+def _evict(files: list[Path]) -> None:
+    """Write the files back and drop their pages; skip where they stay (tmpfs)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    kept = {path.name: cached_pages(path) for path in files if cached_pages(path)}
+    if kept:
+        pytest.skip(f"the filesystem of {files[0].parent} keeps its files in memory (pages left: {kept})")
+
+
+def _cached(files: list[Path]) -> dict[str, int]:
+    """Each file with pages in the page cache, and how many."""
+    return {path.name: n for path in files if (n := cached_pages(path))}
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    return save(build("llama"), tmp_path / "ckpt", sharded=True)
+
+
+def _files(root: Path) -> list[Path]:
+    files = sorted(root.glob("*.safetensors"))
+    assert len(files) > 2
+    return files
+
+
+def test_reading_the_headers_leaves_no_page_cached(checkpoint: Path) -> None:
+    files = _files(checkpoint)
+    _evict(files)
+    found = checkpoint_extents(checkpoint)
+    assert len(found.files) == len(files) and found.tensors
+    assert _cached(files) == {}
+
+
+def test_the_readers_buffered_reads_leave_no_page_cached(tmp_path: Path) -> None:
+    """Where a filesystem refuses ``O_DIRECT`` (here: asked to read buffered): one run of
+    requests, as the ring reads a layer; no readahead past what was asked, and the pages
+    read dropped."""
+    path = tmp_path / "data"
+    data = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+    _evict([path])
+    offset, length = BLOCK_BYTES + 100, 4 << 20
+    with DiskReader(direct=False, threads=1) as reader:
+        for k in range(4):
+            dest = torch.empty(length, dtype=torch.uint8)
+            assert reader.submit(path, offset + k * length, length, dest).wait() == length
+            assert torch.equal(dest, data[offset + k * length:offset + (k + 1) * length])
+    assert _cached([path]) == {}
