@@ -353,6 +353,7 @@ def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, disk: 
     model, offloader = load_streamed(root, model_class, config, disk=disk,
                                      device_budget_bytes=device_budget_bytes, env=env, dtype=dtype, runtime=runtime,
                                      reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                                     layers_path=layers_path)
-    loaded: PreTrainedModel = model  # type: ignore[assignment]  # a transformers model, built from its class
+                                     layers_path=layers_path,
+                                     library="diffusers" if _is_diffusers(model_class) else "transformers")
+    loaded: PreTrainedModel = model  # type: ignore[assignment]  # a transformers (or diffusers) model, built from its class
     return loaded, offloader

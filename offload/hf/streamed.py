@@ -1,12 +1,15 @@
 """`offload_pretrained(path, ..., host_budget_bytes=)`: a checkpoint larger than host memory,
 loaded without ever holding its disk tier there.
 
-`load_on_host` has transformers load every weight into host memory, which a model larger
-than host memory cannot afford. With a host budget the model is loaded here instead:
+`load_on_host` has transformers (or diffusers) load every weight into host memory, which a
+model larger than host memory cannot afford. With a host budget the model is loaded here
+instead:
 
 1. The saved class is built with its parameters on meta and its buffers real (rotary
    tables and the like are computed as the class computes them), weights tied as the
-   class ties them.
+   class ties them: a transformers model from its config (``AutoConfig``), a diffusers
+   model from its ``load_config`` with ``from_config``, as diffusers' ``from_pretrained``
+   builds it (`_build`).
 2. The plan and its disk tier are made from it (`plan_model`, `plan_model_disk`).
 3. The weights outside the layers are read from the checkpoint, one tensor at a time.
 4. The layers are wrapped: a disk parameter's host copy is its checkpoint bytes, mapped
@@ -15,12 +18,17 @@ than host memory cannot afford. With a host budget the model is loaded here inst
    a time (`load_weights`), and `post_init` runs.
 
 Host memory peaks at the host tier, the staging ring, the weights outside the layers and
-one tensor. Without `dtype` the model is built in the dtype most of the checkpoint's
-floating-point bytes are stored in (not transformers' per-module rules such as
-``_keep_in_fp32_modules``): pass `dtype` to choose. The weights are read by their names in the model: a checkpoint whose names
-or layouts transformers converts at load (renamed keys, MoE experts fused), a `dtype`
-other than the one stored for a disk weight, or quantisation at load are refused, naming
-the first weight; load those without a host budget.
+one tensor.
+
+The dtype: with `dtype`, every floating-point weight in it (diffusers: except the modules
+its ``_keep_in_fp32_modules`` names, kept in float32, as diffusers keeps them). Without it,
+a transformers model in the dtype most of the checkpoint's floating-point bytes are stored
+in (transformers' per-module rules such as ``_keep_in_fp32_modules`` are not applied), a
+diffusers model as diffusers builds it without ``torch_dtype`` (float32, the default). The
+weights are read by their names in the model: a checkpoint whose names or layouts the
+library converts at load (renamed keys, MoE experts fused), a `dtype` other than the one
+stored for a disk weight, or quantisation at load are refused, naming the first weight;
+load those without a host budget.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +44,7 @@ import attrs
 import torch
 from torch import nn
 
-from offload.errors import CheckpointError, ExecutionError
+from offload.errors import CheckpointError, ConfigError, ExecutionError, OffloadError
 from offload.executors.common import torch_dtype
 from offload.hf.disk import DiskRequest, plan_model_disk
 from offload.hf.layers import find_stacks
@@ -103,8 +111,34 @@ def read_tensor(extent: DiskExtent, header: TensorHeader) -> torch.Tensor:
     return out
 
 
-def _build(model_class: Any, root: Path, dtype: torch.dtype) -> nn.Module:
-    """The saved class from `root`'s config, parameters on meta, buffers real, in eval mode."""
+def _build(model_class: Any, root: Path, dtype: torch.dtype | None, library: str,
+           stored: Collection[str]) -> nn.Module:
+    """The saved class from `root`'s config, parameters on meta, buffers real, in eval mode.
+
+    Raises:
+        ConfigError: a diffusers model and a `dtype` it is not built in (integer, float8).
+        CheckpointError: the library failed building it (names `root` and the class).
+    """
+    shown = getattr(model_class, "__name__", repr(model_class))
+    if library == "diffusers" and dtype is not None and (not dtype.is_floating_point or dtype.itemsize == 1):
+        raise ConfigError(f"dtype {dtype} for the diffusers model {shown}: diffusers builds a model in a "
+                          "floating-point dtype of 16 bits or more (float8: it casts the model after loading, "
+                          "which a streamed load does not do; load without host_budget_bytes)", name="dtype",
+                          value=str(dtype))
+    try:
+        model = (_build_diffusers(model_class, root, dtype, stored) if library == "diffusers"
+                 else _build_transformers(model_class, root, dtype))
+    except OffloadError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{root}: {library} could not build {shown} from its config.json with its "
+                              f"parameters on meta: {type(exc).__name__}: {exc}", name=str(root),
+                              value=shown) from exc
+    model.eval()
+    return model
+
+
+def _build_transformers(model_class: Any, root: Path, dtype: torch.dtype | None) -> nn.Module:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(root, local_files_only=True)
@@ -113,8 +147,51 @@ def _build(model_class: Any, root: Path, dtype: torch.dtype) -> nn.Module:
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
         tie()
-    model.eval()
     return model
+
+
+def _build_diffusers(model_class: Any, root: Path, dtype: torch.dtype | None, stored: Collection[str]) -> nn.Module:
+    """As diffusers' ``from_pretrained`` builds it with ``low_cpu_mem_usage`` (accelerate's
+    ``init_empty_weights``: parameters on meta, buffers real; init functions skipped),
+    under ``torch_dtype`` = `dtype`; with `dtype`, every floating-point tensor the
+    checkpoint holds (`stored`) is then in `dtype`, float32 in the modules
+    ``_keep_in_fp32_modules`` names, as diffusers casts them at load."""
+    from diffusers.models.modeling_utils import no_init_weights
+
+    config = model_class.load_config(root, local_files_only=True)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype is not None else before)  # as _set_default_torch_dtype does
+    try:
+        with no_init_weights(), params_on_meta():
+            model: nn.Module = model_class.from_config(config)
+    finally:
+        torch.set_default_dtype(before)
+    if dtype is not None:
+        _cast_as_diffusers(model, dtype, tuple(getattr(model_class, "_keep_in_fp32_modules", None) or ()), stored)
+    register = getattr(model, "register_to_config", None)
+    if callable(register):
+        register(_name_or_path=root)  # as from_pretrained records it (load_on_host passes a Path)
+    return model
+
+
+def _cast_as_diffusers(model: nn.Module, dtype: torch.dtype, keep: Sequence[str], stored: Collection[str]) -> None:
+    """Every floating-point parameter and buffer of `model` that the checkpoint holds
+    (`stored`, by full name) in `dtype`, or float32 where a dotted part of its name is in
+    `keep` (diffusers' ``load_model_dict_into_meta``); a tie stays one tensor."""
+    done: dict[int, torch.Tensor] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for slots, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in list(slots.items()):
+                full = f"{path}.{name}" if path else name
+                if tensor is None or full not in stored or not tensor.is_floating_point():
+                    continue
+                want = torch.float32 if any(part in keep for part in full.split(".")) else dtype
+                if id(tensor) in done:
+                    slots[name] = done[id(tensor)]
+                elif tensor.dtype != want:
+                    new = (nn.Parameter(tensor.detach().to(want), requires_grad=tensor.requires_grad) if is_param
+                           else tensor.to(want))
+                    done[id(tensor)] = slots[name] = new
 
 
 def _stored_dtype(tensors: Mapping[str, TensorHeader]) -> torch.dtype:
@@ -151,7 +228,7 @@ def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str
         found = next((full_name(m, n) for m, n in where if full_name(m, n) in tensors), None)
         if found is None:
             shown = ", ".join(full_name(m, n) for m, n in where)
-            raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (transformers renames or "
+            raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (the library renames or "
                                   "converts it at load): load without host_budget_bytes", name=shown, value=None)
         data = read_tensor(extents[found], tensors[found])
         if tuple(data.shape) != tuple(param.shape):
@@ -171,7 +248,7 @@ def _layer_weights(plan_params: Sequence[tuple[int, str]], layer_names: Sequence
         full = f"{layer_names[layer]}.{name}"
         header = tensors.get(full)
         if header is None:
-            raise CheckpointError(f"{full}: not in the checkpoint under the model's name (transformers renames or "
+            raise CheckpointError(f"{full}: not in the checkpoint under the model's name (the library renames or "
                                   "fuses it at load): load without host_budget_bytes", name=full, value=None)
         yield f"{layer}.{name}", read_tensor(extents[full], header).to(dtypes[(layer, name)])
 
@@ -190,20 +267,29 @@ def load_streamed(
     profile: DeviceProfile | None,
     workload: Workload | None,
     layers_path: str | Sequence[str] | None,
+    library: str = "transformers",
 ) -> tuple[nn.Module, ModelOffloader]:
     """`offload_pretrained` with a host budget (see the module docstring).
 
+    Args:
+        library: which library's class `model_class` is: ``"transformers"`` or
+            ``"diffusers"`` (how it is built, and its dtype without `dtype`).
+        The others: as for `offload_pretrained`.
+
     Raises:
-        CheckpointError: a weight is not in the checkpoint under the model's name, or of
-            another shape; a disk weight would have to be converted (a `dtype` other than
-            the stored one).
+        CheckpointError: the library could not build the class from the config; a weight
+            is not in the checkpoint under the model's name, or of another shape; a disk
+            weight would have to be converted (a `dtype` other than the stored one).
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
     root = Path(path)
     found = checkpoint_extents(root)
-    chosen = dtype if dtype is not None else _stored_dtype(found.tensors)
+    if library == "diffusers":
+        chosen = dtype  # None: as diffusers builds it without torch_dtype
+    else:
+        chosen = dtype if dtype is not None else _stored_dtype(found.tensors)
     start = time.monotonic()
-    model = _build(model_class, root, chosen)
+    model = _build(model_class, root, chosen, library, found.tensors.keys())
     stacks = find_stacks(model, layers_path)
     layers = [layer for stack in stacks for layer in stack]
     spec = describe_stacks(stacks)
@@ -215,7 +301,7 @@ def load_streamed(
     spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
     if spilled is not None:
         raise CheckpointError(f"layer {spilled.layer} parameter {spilled.name!r} would go to disk but cannot be read "
-                              f"from the checkpoint as the model holds it ({spilled.reason}): transformers converts "
+                              f"from the checkpoint as the model holds it ({spilled.reason}): {library} converts "
                               "it at load. Load with the dtype it is stored in, or, where host memory holds the "
                               "model while it loads, load it (load_on_host) and offload it with offload_model(model, "
                               "..., host_budget_bytes=, checkpoint=path, spill_dir=), which spills what the "
