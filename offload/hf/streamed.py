@@ -17,8 +17,11 @@ instead:
 5. The other layer weights are read from the checkpoint into their copies, one tensor at
    a time (`load_weights`), and `post_init` runs.
 
-Host memory peaks at the host tier, the staging ring, the weights outside the layers and
-one tensor.
+Every tensor is read with ``O_DIRECT`` (`offload.runtime.diskio.DiskReader`; buffered with
+its pages dropped where the filesystem refuses it) into one buffer of the largest tensor's
+size, reused (`_TensorReads`): the load leaves nothing in the page cache, and host memory
+peaks at the host tier, the staging ring, the weights outside the layers and that one
+buffer (no allocation per tensor, whose freed memory the C allocator would keep).
 
 The dtype: with `dtype`, every floating-point weight in it (diffusers: except the modules
 its ``_keep_in_fp32_modules`` names, kept in float32, as diffusers keeps them). Without it,
@@ -34,11 +37,12 @@ load those without a host budget.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 import attrs
 import torch
@@ -62,7 +66,7 @@ from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.spec.extents import DiskExtent
 from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.units import format_bytes
-from offload.runtime.spill import read_exact
+from offload.runtime.diskio import BLOCK_BYTES, DiskReader
 
 __all__ = ["load_streamed", "params_on_meta"]
 
@@ -89,26 +93,48 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]  # as it was
 
 
-def read_tensor(extent: DiskExtent, header: TensorHeader) -> torch.Tensor:
-    """The tensor `header` describes, read from its bytes (`extent`) into new host memory
-    (and then dropped from the page cache).
+@final
+class _TensorReads:
+    """Checkpoint tensors read one at a time into one reused buffer.
 
-    Raises:
-        CheckpointError: the read failed or came up short.
+    The buffer is an anonymous mapping (page-aligned; unmapped when the last view of it
+    goes) of `nbytes` plus two blocks. Each tensor lands in it at its file offset modulo
+    the block, so that `DiskReader` reads its whole blocks straight in with ``O_DIRECT``;
+    only the partial blocks at its ends go through the reader's per-thread staging.
+
+    Args:
+        nbytes: the largest tensor to read, in bytes.
     """
-    out = torch.empty(header.shape, dtype=torch_dtype(header.dtype))
-    try:
-        fd = os.open(extent.path, os.O_RDONLY)
-    except OSError as exc:
-        raise CheckpointError(f"cannot open {extent.path!r}: {exc}", name=extent.path, value=header.name) from exc
-    try:
-        read_exact(fd, out, extent.offset)
-    except OSError as exc:
-        raise CheckpointError(f"reading tensor {header.name!r} from {extent.path!r} failed: {exc}",
-                              name=extent.path, value=header.name) from exc
-    finally:
-        os.close(fd)
-    return out
+
+    def __init__(self, nbytes: int) -> None:
+        self._region: mmap.mmap | None = mmap.mmap(-1, nbytes + 2 * BLOCK_BYTES)
+        self._buffer = torch.frombuffer(self._region, dtype=torch.uint8)
+        self._reader = DiskReader()
+
+    def read(self, extent: DiskExtent, header: TensorHeader) -> torch.Tensor:
+        """The tensor `header` describes, read from its bytes (`extent`): a view of the
+        buffer, valid until the next read (copy it to keep it).
+
+        Raises:
+            CheckpointError: the read failed or came up short (naming the file and tensor).
+        """
+        dtype = torch_dtype(header.dtype)
+        size = torch.empty((), dtype=dtype).element_size()
+        start = extent.offset % BLOCK_BYTES
+        start += -start % size  # a typed view starts on its element size (else: staged, not straight in)
+        dest = self._buffer[start:start + extent.length]
+        try:
+            self._reader.submit(extent.path, extent.offset, extent.length, dest).wait()
+        except ExecutionError as exc:
+            raise CheckpointError(f"reading tensor {header.name!r} from {extent.path!r} failed: {exc}",
+                                  name=extent.path, value=header.name) from exc
+        return dest.view(dtype).view(header.shape)
+
+    def close(self) -> None:
+        """Join the reader's threads and let go of the buffer (idempotent)."""
+        self._reader.close()
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._region = None  # unmapped once no view of it is left
 
 
 def _build(model_class: Any, root: Path, dtype: torch.dtype | None, library: str,
@@ -205,10 +231,20 @@ def _stored_dtype(tensors: Mapping[str, TensorHeader]) -> torch.dtype:
     return torch_dtype(max(counts, key=lambda name: counts[name]))
 
 
-def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str, TensorHeader],
-             extents: Mapping[str, DiskExtent]) -> None:
-    """Read every parameter outside the layers (a tie once, under any of its names) and
-    every persistent buffer the checkpoint holds, from the checkpoint."""
+#: A tensor outside the layers to read: where it goes (each module and name holding it, a
+#: tie's every name), its name in the checkpoint, the tensor there now, and whether it is a parameter.
+_Outside = tuple[list[tuple[nn.Module, str]], str, torch.Tensor, bool]
+
+
+def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str, TensorHeader]) -> list[_Outside]:
+    """Every parameter outside the layers (a tie once, under the first of its names the
+    checkpoint holds) and every persistent buffer the checkpoint holds, checked against
+    the checkpoint's shapes; nothing is read.
+
+    Raises:
+        CheckpointError: a parameter under none of its names in the checkpoint, or a
+            tensor of another shape there.
+    """
     names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
 
     def full_name(module: nn.Module, name: str) -> str:
@@ -216,41 +252,57 @@ def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str
 
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
+    found: list[_Outside] = []
     for (module, name, is_param), tensor in outside_tensors(model, layers):
         full = full_name(module, name)
         if is_param and isinstance(tensor, nn.Parameter):
             slots.setdefault(id(tensor), []).append((module, name))
             params[id(tensor)] = tensor
         elif full in tensors:  # a persistent buffer saved with the weights
-            module._buffers[name] = read_tensor(extents[full], tensors[full]).to(tensor.dtype)
+            found.append(([(module, name)], full, tensor, False))
     for key, param in params.items():
         where = slots[key]
-        found = next((full_name(m, n) for m, n in where if full_name(m, n) in tensors), None)
-        if found is None:
+        first = next((full_name(m, n) for m, n in where if full_name(m, n) in tensors), None)
+        if first is None:
             shown = ", ".join(full_name(m, n) for m, n in where)
             raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (the library renames or "
                                   "converts it at load): load without host_budget_bytes", name=shown, value=None)
-        data = read_tensor(extents[found], tensors[found])
-        if tuple(data.shape) != tuple(param.shape):
-            raise CheckpointError(f"{found}: {tuple(data.shape)} in the checkpoint, {tuple(param.shape)} in the model",
-                                  name=found, value=tuple(data.shape))
-        new = nn.Parameter(data.to(param.dtype), requires_grad=param.requires_grad)
+        found.append((where, first, param, True))
+    for _, full, tensor, _ in found:
+        if tuple(tensors[full].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{full}: {tensors[full].shape} in the checkpoint, {tuple(tensor.shape)} in the "
+                                  "model", name=full, value=tensors[full].shape)
+    return found
+
+
+def _read_outside(found: Sequence[_Outside], tensors: Mapping[str, TensorHeader],
+                  extents: Mapping[str, DiskExtent], reads: _TensorReads) -> None:
+    """Read each tensor of `found` into memory of its own, in the model's dtype, and put it
+    in every place that holds it."""
+    for where, full, tensor, is_param in found:
+        data = torch.empty(tensor.shape, dtype=tensor.dtype)  # its own memory, not the read buffer
+        data.copy_(reads.read(extents[full], tensors[full]))
+        new = nn.Parameter(data, requires_grad=tensor.requires_grad) if is_param else data
         for module, name in where:
-            module._parameters[name] = new
+            if is_param:
+                module._parameters[name] = new  # type: ignore[assignment]  # a Parameter
+            else:
+                module._buffers[name] = new
 
 
 def _layer_weights(plan_params: Sequence[tuple[int, str]], layer_names: Sequence[str],
                    tensors: Mapping[str, TensorHeader], extents: Mapping[str, DiskExtent],
-                   dtypes: Mapping[tuple[int, str], torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+                   reads: _TensorReads) -> Iterator[tuple[str, torch.Tensor]]:
     """Each layer weight to load, as `load_weights` names it, read from the checkpoint as
-    it is asked for (one tensor in host memory at a time)."""
+    it is asked for into the read buffer (`load_weights` copies it into the weight,
+    converting its dtype, before it asks for the next)."""
     for layer, name in plan_params:
         full = f"{layer_names[layer]}.{name}"
         header = tensors.get(full)
         if header is None:
             raise CheckpointError(f"{full}: not in the checkpoint under the model's name (the library renames or "
                                   "fuses it at load): load without host_budget_bytes", name=full, value=None)
-        yield f"{layer}.{name}", read_tensor(extents[full], header).to(dtypes[(layer, name)])
+        yield f"{layer}.{name}", reads.read(extents[full], header)
 
 
 def load_streamed(
@@ -279,7 +331,8 @@ def load_streamed(
     Raises:
         CheckpointError: the library could not build the class from the config; a weight
             is not in the checkpoint under the model's name, or of another shape; a disk
-            weight would have to be converted (a `dtype` other than the stored one).
+            weight would have to be converted (a `dtype` other than the stored one); a
+            read failed.
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
     root = Path(path)
@@ -306,27 +359,39 @@ def load_streamed(
                               "model while it loads, load it (load_on_host) and offload it with offload_model(model, "
                               "..., host_budget_bytes=, checkpoint=path, spill_dir=), which spills what the "
                               "checkpoint does not hold as the model does", name=spilled.name, value=spilled.layer)
-    _outside(model, layers, found.tensors, found.extents)
+    outside = _outside(model, layers, found.tensors)
+    names = {id(module): name for name, module in model.named_modules()}
+    layer_names = [names[id(layer)] for layer in layers]
+    on_disk = {(p.layer, p.name) for p in tier.params} if tier is not None else set()
+    wanted = [(p.layer, p.name) for p in plan.params if p.tied_to is None and (p.layer, p.name) not in on_disk]
+    read = [full for _, full, _, _ in outside] + [f"{layer_names[i]}.{n}" for i, n in wanted]
+    largest = max((found.extents[full].length for full in read if full in found.extents), default=0)
     from offload.create import create_offloader, default_runtime
 
-    rt = runtime if runtime is not None else default_runtime(plan)
-    offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=disk.spill_dir), rt)
-    offloader.wrap_modules(layers)
+    with contextlib.closing(_TensorReads(largest)) as reads:
+        _read_outside(outside, found.tensors, found.extents, reads)
+        rt = runtime if runtime is not None else default_runtime(plan)
+        offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=disk.spill_dir), rt)
+        offloader.wrap_modules(layers)
+        try:
+            offloader.inner.load_weights(_layer_weights(wanted, layer_names, found.tensors, found.extents, reads))
+        except BaseException as exc:
+            _give_back(offloader, exc)
     try:
-        names = {id(module): name for name, module in model.named_modules()}
-        layer_names = [names[id(layer)] for layer in layers]
-        on_disk = {(p.layer, p.name) for p in tier.params} if tier is not None else set()
-        wanted = [(p.layer, p.name) for p in plan.params if p.tied_to is None and (p.layer, p.name) not in on_disk]
-        dtypes = {(p.layer, p.name): torch_dtype(p.param.dtype) for p in plan.params}
-        offloader.inner.load_weights(_layer_weights(wanted, layer_names, found.tensors, found.extents, dtypes))
-        offloader.post_init()
+        offloader.post_init()  # the read buffer is gone: the ring and the buffers take its place
     except BaseException as exc:
-        offloader.restore()
-        if not isinstance(exc, Exception) or isinstance(exc, CheckpointError):
-            raise
-        raise ExecutionError(f"loading the layers' weights failed, nothing kept: {exc}", name="load",
-                             value=type(exc).__name__) from exc
+        _give_back(offloader, exc)
     total = plan.host_bytes + plan.device_bytes_resident
     log.info("loaded %s (%d layers on disk) in %.2f s", format_bytes(total),
              len(tier.disk_positions) if tier is not None else 0, time.monotonic() - start)
     return model, offloader
+
+
+def _give_back(offloader: ModelOffloader, exc: BaseException) -> None:
+    """Restore the model (nothing kept) and raise `exc`: a CheckpointError or a
+    BaseException that is not an Exception as it is, anything else as an ExecutionError."""
+    offloader.restore()
+    if not isinstance(exc, Exception) or isinstance(exc, CheckpointError):
+        raise exc
+    raise ExecutionError(f"loading the layers' weights failed, nothing kept: {exc}", name="load",
+                         value=type(exc).__name__) from exc

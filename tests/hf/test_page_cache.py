@@ -1,6 +1,9 @@
-"""What reading a checkpoint leaves in the page cache: nothing. The safetensors headers are
-read without readahead and dropped; where a filesystem refuses ``O_DIRECT`` the reader
-reads buffered without readahead and drops the pages it read. Each checkpoint file is checked page by page with
+"""What loading a checkpoint leaves in the page cache: nothing. A streamed load
+(`offload_pretrained(..., host_budget_bytes=)`) and greedy ``generate`` with its disk tier
+read every tensor with ``O_DIRECT`` (the loader's resident, host-tier and outside weights,
+and the tier's disk layers), and the safetensors headers are read without readahead and
+dropped; where a filesystem refuses ``O_DIRECT`` the reader reads buffered without
+readahead and drops the pages it read. Each checkpoint file is checked page by page with
 ``mincore`` (`cached_pages`) after its pages were evicted; on a filesystem that keeps its
 files in memory (tmpfs) there is nothing to measure and the tests skip."""
 
@@ -14,9 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload import EnvSnapshot, OffloadConfig
+from offload.hf import load_on_host, offload_pretrained
 from offload.model.checkpoint import checkpoint_extents
+from offload.runtime.cpu import CpuRuntime
 from offload.runtime.diskio import BLOCK_BYTES, DiskReader
-from tests.hf.checkpoints import build, save
+from tests.executors.disk_helpers import plan_tier
+from tests.hf.checkpoints import build, save, step_logits
+
+#: Three of four layers offloaded, one staging buffer: two layers go to disk.
+FOUR = OffloadConfig(group_size=4, num_in_group=3)
 
 
 def cached_pages(path: Path) -> int:
@@ -68,6 +78,25 @@ def test_reading_the_headers_leaves_no_page_cached(checkpoint: Path) -> None:
     _evict(files)
     found = checkpoint_extents(checkpoint)
     assert len(found.files) == len(files) and found.tensors
+    assert _cached(files) == {}
+
+
+def test_a_streamed_load_and_generate_leave_no_page_cached(checkpoint: Path) -> None:
+    files = _files(checkpoint)
+    reference = load_on_host(checkpoint)
+    want = step_logits(reference)
+    budget = plan_tier(reference, checkpoint, read_ahead=1, config=FOUR)[0].host_bytes - 1
+    del reference
+    _evict(files)
+    model, offloader = offload_pretrained(checkpoint, FOUR, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                          host_budget_bytes=budget, read_ahead=1)
+    tier = offloader.disk_tier
+    assert tier is not None and tier.disk_layers and tier.host_tier_bytes  # disk, host and resident layers
+    assert offloader.plan.device_bytes_resident > 0
+    assert _cached(files) == {}
+    got = step_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert offloader.stats().disk_bytes_read >= tier.disk_bytes  # the disk layers were read again
     assert _cached(files) == {}
 
 
