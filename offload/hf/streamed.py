@@ -347,9 +347,11 @@ def load_streamed(
     layers = [layer for stack in stacks for layer in stack]
     spec = describe_stacks(stacks)
     rest = outside_tensors(model, layers)
+    names = {id(module): name for name, module in model.named_modules()}
+    layer_names = [names[id(layer)] for layer in layers]
     plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
                       outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
-                      workload=workload)
+                      workload=workload, disk=attrs.evolve(disk, checkpoint=root), layer_names=layer_names)
     tier = plan_model_disk(model, layers, plan, env, attrs.evolve(disk, checkpoint=root))
     spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
     if spilled is not None:
@@ -360,8 +362,6 @@ def load_streamed(
                               "..., host_budget_bytes=, checkpoint=path, spill_dir=), which spills what the "
                               "checkpoint does not hold as the model does", name=spilled.name, value=spilled.layer)
     outside = _outside(model, layers, found.tensors)
-    names = {id(module): name for name, module in model.named_modules()}
-    layer_names = [names[id(layer)] for layer in layers]
     on_disk = {(p.layer, p.name) for p in tier.params} if tier is not None else set()
     wanted = [(p.layer, p.name) for p in plan.params if p.tied_to is None and (p.layer, p.name) not in on_disk]
     read = [full for _, full, _, _ in outside] + [f"{layer_names[i]}.{n}" for i, n in wanted]

@@ -129,3 +129,26 @@ def test_a_host_budget_alone_without_an_accelerator_offloads_every_layer_and_spi
     assert tier is not None and tier.host_bytes <= layers // 2
     assert _same(step_logits(model), expected)
     offloader.restore()
+
+
+def test_offload_pretrained_streams_with_both_budgets_and_with_a_host_budget_alone(tmp_path: Path) -> None:
+    from offload.hf import offload_pretrained
+    from tests.hf.checkpoints import save
+
+    resident = build()
+    expected = step_logits(resident)
+    directory = save(resident, tmp_path / "ckpt", sharded=True)
+    layers, outside = _sizes()
+    device = int((layers + outside) * 0.6)
+    spec = describe_stacks(find_stacks(resident))
+    alone = plan_model(spec, EnvSnapshot(), config=None, device_budget_bytes=device, outside_bytes=outside)
+    assert alone.backend is Backend.UVA
+    for options in ({"device_budget_bytes": device, "host_budget_bytes": alone.host_bytes - 1},
+                    {"host_budget_bytes": layers // 2}):  # the second: no config, no device budget, no GPU
+        model, offloader = offload_pretrained(directory, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                              spill_dir=tmp_path, **options)  # type: ignore[arg-type]
+        tier = offloader.disk_tier
+        assert offloader.plan.backend is Backend.PREFETCH and tier is not None
+        assert tier.host_bytes <= options["host_budget_bytes"]
+        assert _same(step_logits(model), expected), options
+        offloader.restore()
