@@ -67,8 +67,10 @@ def _span(tensor: torch.Tensor) -> memoryview:
 
 def read_exact(fd: int, dest: torch.Tensor, offset: int) -> None:
     """Fill `dest` (a contiguous host tensor) with its bytes' worth of the file open as
-    `fd`, from `offset`, read with ``pread`` (not through a mapping), then ask the page
-    cache to let go of them (best effort: they were read once).
+    `fd`, from `offset`, read with ``pread`` (not through a mapping) without readahead,
+    then ask the page cache to let go of them, whole pages (best effort: they were read
+    once; the kernel keeps a page the range covers only in part, so the range is rounded
+    out to pages).
 
     Raises:
         OSError: the read failed, or the file ended first (saying after how many bytes).
@@ -76,16 +78,27 @@ def read_exact(fd: int, dest: torch.Tensor, offset: int) -> None:
     view: memoryview = dest.reshape(-1).view(torch.uint8).numpy().data
     view = view.cast("B")
     length, done = len(view), 0
-    while done < length:
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(errno.EIO, f"end of file after {done} of {length} bytes")
-        done += got
-    if length:  # (a length of 0 would mean to the end of the file)
-        try:
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
+    if not length:
+        return
+    _advise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is asked (it would stay cached)
+    try:
+        while done < length:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(errno.EIO, f"end of file after {done} of {length} bytes")
+            done += got
+    finally:
+        _advise(fd, 0, 0, os.POSIX_FADV_NORMAL)  # the fd may be mapped too: faults there read ahead as usual
+        first = offset - offset % mmap.PAGESIZE
+        _advise(fd, first, -(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE - first, os.POSIX_FADV_DONTNEED)
+
+
+def _advise(fd: int, offset: int, length: int, advice: int) -> None:
+    """``posix_fadvise``, best effort (advice only)."""
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except OSError:
+        pass
 
 
 class _Libc:

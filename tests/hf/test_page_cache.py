@@ -115,3 +115,24 @@ def test_the_readers_buffered_reads_leave_no_page_cached(tmp_path: Path) -> None
             assert reader.submit(path, offset + k * length, length, dest).wait() == length
             assert torch.equal(dest, data[offset + k * length:offset + (k + 1) * length])
     assert _cached([path]) == {}
+
+
+def test_offload_model_of_a_loaded_model_with_its_checkpoint_leaves_no_page_cached(checkpoint: Path,
+                                                                                  tmp_path: Path) -> None:
+    # The disk tier checks each disk weight against the checkpoint byte for byte (a read of
+    # its bytes) before it maps it there: those reads are let go of, whole pages.
+    from offload.hf import offload_model
+
+    files = _files(checkpoint)
+    model = build("llama")  # the checkpoint's model, in memory of its own (from_pretrained would map the files)
+    expected = step_logits(model)
+    _evict(files)
+    budget = plan_tier(model, None, read_ahead=1, config=FOUR)[0].host_bytes // 2
+    offloader = offload_model(model, FOUR, env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=budget,
+                              checkpoint=checkpoint, spill_dir=tmp_path, read_ahead=1)
+    tier = offloader.disk_tier
+    assert tier is not None and tier.disk_bytes - tier.spill_bytes > 0  # some read where they lie
+    assert _cached(files) == {}
+    assert [torch.equal(a, b) for a, b in zip(step_logits(model), expected, strict=True)] == [True] * len(expected)
+    assert _cached(files) == {}
+    offloader.restore()
