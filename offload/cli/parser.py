@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     env = sub.add_parser("env", help="what this machine can do, and the pin/UVA decisions with reasons")
     env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.add_argument("--disk", metavar="DIR", help="also time the disk tier's reader on a scratch file in DIR (the "
+                     "rate for offload plan --host-gib --disk-gbps; the file is removed after)")
+    env.add_argument("--disk-mib", type=positive_int, help="with --disk: the scratch file's MiB (default 1024)")
 
     plan = sub.add_parser("plan", help="exactly what would be offloaded, where, and what it costs")
     plan.add_argument(
