@@ -43,6 +43,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
+
 from offload.runtime.diskio import DiskReader
 
 MIB = 1 << 20
@@ -126,10 +128,95 @@ def read_plain(paths: Sequence[Path], buffers: Sequence[memoryview], *, direct: 
     return total
 
 
+def merged_runs(runs: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """`runs` (path, file offset, bytes) sorted, with those that touch or overlap made one."""
+    found: list[tuple[str, int, int]] = []
+    for path, offset, length in sorted(runs):
+        if found and found[-1][0] == path and found[-1][1] + found[-1][2] >= offset:
+            last = found[-1]
+            found[-1] = (path, last[1], max(last[1] + last[2], offset + length) - last[1])
+        else:
+            found.append((path, offset, length))
+    return found
+
+
+def read_plain_runs(runs: Sequence[tuple[str, int, int]], buffer: memoryview, *, direct: list[bool],
+                    block: int = 4096) -> int:
+    """The plain reader over byte ranges: each run's aligned span (whole `block`-byte
+    blocks, as ``O_DIRECT`` wants) read in order, in pieces of ``len(buffer)`` into
+    `buffer` (page-aligned), one thread; the bytes of the runs. Appends whether each file
+    was opened ``O_DIRECT``."""
+    total, fds = 0, {}
+    try:
+        for path, offset, length in runs:
+            if path not in fds:
+                fds[path], is_direct = open_direct(Path(path))
+                direct.append(is_direct)
+            position, end = offset // block * block, -(-(offset + length) // block) * block
+            while position < end:
+                n = os.preadv(fds[path], [buffer[:min(len(buffer), end - position)]], position)
+                if n <= 0:
+                    break
+                position += n
+            total += length
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return total
+
+
 def read_ours(reader: DiskReader, files: Sequence[tuple[Path, int]], dests: Sequence[memoryview]) -> int:
     """Read every file whole into its destination, all submitted at once; the bytes read."""
     handles = [reader.submit(path, 0, len(dest), dest) for (path, _), dest in zip(files, dests, strict=True)]
     return sum(handle.wait() for handle in handles)
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    """This machine's busy CPU and disk reads at a moment, and this process's share."""
+
+    wall: float  # seconds (perf_counter)
+    busy: float  # CPU seconds every process has used (/proc/stat: not idle, not iowait)
+    mine: float  # CPU seconds this process has used
+    read: int  # bytes read from the disks (/proc/diskstats, whole disks)
+    my_read: int  # bytes this process has read from storage (/proc/self/io)
+
+
+def usage() -> Usage:
+    """The counters now (`others`)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
+    times = os.times()
+    sectors = 0
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 5 and Path(f"/sys/block/{parts[2]}").exists():  # whole disks, not partitions
+            sectors += int(parts[5])
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return Usage(wall=time.perf_counter(), busy=busy / os.sysconf("SC_CLK_TCK"), mine=times.user + times.system,
+                 read=sectors * 512, my_read=int(io["read_bytes"]))
+
+
+def others(since: Usage) -> tuple[float, float]:
+    """(cores, disk GB/s) other processes used on average since `since`: another user's
+    tests share this machine's two cores and its disk."""
+    now = usage()
+    wall = max(now.wall - since.wall, 1e-9)
+    cores = max(0.0, (now.busy - since.busy) - (now.mine - since.mine)) / wall
+    reads = max(0, (now.read - since.read) - (now.my_read - since.my_read)) / wall / GB
+    return cores, reads
+
+
+def wait_for_quiet(seconds: float, *, cores: float = 0.25, gbps: float = 0.02) -> None:
+    """Wait (at most `seconds`) until, over half a second, other processes keep fewer than
+    `cores` cores busy and read less than `gbps` from the disks."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        since = usage()
+        time.sleep(0.5)
+        used, read = others(since)
+        if used < cores and read < gbps:
+            return
 
 
 def timed(run: Callable[[], int]) -> float:

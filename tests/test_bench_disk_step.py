@@ -1,6 +1,8 @@
-"""Smoke test of `benchmarks/bench_disk_step.py --quick`: the plain rate, the tier, the
-predicted and measured step and their ratio are printed as positive numbers, every copy
-found its read started ahead, and the files are gone afterwards. No timing assertions."""
+"""Smoke test of `benchmarks/bench_disk_step.py --quick`: the rate ``offload env --disk``
+measures, the tier, each round's interleaved reader rates and steps, and the ratios to the
+limit and to the prediction are printed as positive numbers, consistent with one another
+(each median within its rounds' range, the one round's ratios those of its numbers), every
+copy found its read started ahead, and the files are gone afterwards. No timing assertions."""
 
 from __future__ import annotations
 
@@ -11,20 +13,37 @@ import pytest
 
 from benchmarks import bench_disk_step
 
+NUMBER = r"([\d.]+)"
 
-def test_quick_run_prints_the_prediction_the_step_and_their_ratio(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+
+def spread(name: str, out: str) -> tuple[float, float, float]:
+    """(median, least, most) of a ``NAME...: M (rounds A-B)`` line."""
+    found = re.search(rf"{re.escape(name)}[^:;]*: {NUMBER} \(rounds {NUMBER}-{NUMBER}\)", out)
+    assert found is not None, (name, out)
+    median, least, most = (float(v) for v in found.groups())
+    assert 0 < least <= median <= most
+    return median, least, most
+
+
+def test_quick_run_prints_the_limit_the_prediction_and_their_ratios(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_disk_step.main(["--quick", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    rate = re.search(r"^plain reader before the steps: ([\d.]+) GB/s", out, re.M)
-    tier = re.search(r"^tier: (\d+) of (\d+) layers on disk", out, re.M)
-    predicted = re.search(r"^predicted step \(estimate_with_tier: .*\): ([\d.]+) ms; ", out, re.M)
-    measured = re.search(r"^measured step: ([\d.]+) ms \(median of 2: [\d. ]+\)$", out, re.M)
-    ratio = re.search(r"^ratio step/predicted: ([\d.]+) \(target 0\.85 to 1\.15\)$", out, re.M)
-    assert rate and tier and predicted and measured and ratio, out
+    env = re.search(rf"^offload env --disk before the steps: {NUMBER} GB/s \(DiskReader, 4 threads, ", out, re.M)
+    tier = re.search(r"^tier: (\d+) of (\d+) layers on disk \(([\d.]+) GB per step\)", out, re.M)
+    round_ = re.search(rf"^tokens 8: round 1: plain {NUMBER} GB/s, reader {NUMBER} GB/s; host-tier steps {NUMBER} "
+                       rf"ms, while the disk reads {NUMBER} ms; steps {NUMBER} ms; other processes {NUMBER} cores, "
+                       rf"{NUMBER} GB/s of disk reads$", out, re.M)
+    assert env and tier and round_, out
     assert 0 < int(tier.group(1)) <= int(tier.group(2)) == 8
-    assert float(rate.group(1)) > 0 and float(predicted.group(1)) > 0 and float(measured.group(1)) > 0
-    # The ratio of the two times as printed (to 0.1 ms: a few percent on the quick run's ms).
-    assert float(ratio.group(1)) == pytest.approx(float(measured.group(1)) / float(predicted.group(1)), rel=0.1)
-    assert re.search(r", 0 not started ahead$", out, re.M), out
+    plain, reader, host, reading, step = (float(v) for v in round_.groups()[:5])
+    assert min(plain, reader, host, reading, step, float(env.group(1))) > 0
+    # One round: each ratio is that round's, as printed (to 0.1 ms: a few percent of the quick run's ms).
+    assert spread("reader/plain", out)[0] == pytest.approx(reader / plain, rel=0.01)
+    limit = max(host / 1e3, float(tier.group(3)) / plain)  # seconds: the host-tier step, GB / (GB/s)
+    assert spread("ratio step/limit", out)[0] == pytest.approx(step / 1e3 / limit, rel=0.1)
+    assert "target at most 1.15" in out and "target 0.85 to 1.15" in out
+    for name in ("ratio step/predicted", "from the plain rate", "offload env --disk's", "while the disk reads"):
+        spread(name, out)
+    assert re.search(r"^tokens 8: copies waited [\d.]+ ms per step, 0 reads not started ahead$", out, re.M), out
     assert list(tmp_path.iterdir()) == []
