@@ -14,7 +14,8 @@ file). Then per ``--tokens`` count, ``--rounds`` rounds of, in one process:
    per run of a layer, two staging buffers), in turn first, each after eviction;
 2. ``--steps`` host-tier steps (its copies included: the CPU runtime runs them on the
    compute thread), and as many while a thread reads the disk layers' bytes as the tier
-   reads them (what the reads take from the compute on these cores);
+   reads them (what the reads and the compute take from each other on these cores: the
+   steps' time, and the rate those reads reach);
 3. ``--steps`` disk-tier steps back to back, after an untimed one (after a pause the ring
    has its first reads done: that step is short).
 
@@ -27,8 +28,10 @@ leave the cores and the disk, and says what they used. Per round:
 - the prediction: `estimate_with_tier` on this machine as a profile, the compute the
   host-tier step, copies at the rate the host-tier model measured, the disk at the tier
   reader's rate; ``step/predicted`` (target 0.85 to 1.15). Beside it, the prediction from
-  the plain reader's rate, from ``offload env --disk``'s rate, and with the compute as the
-  host-tier step runs while the disk reads.
+  the plain reader's rate, from ``offload env --disk``'s rate, with the compute as the
+  host-tier step runs while the disk reads, from the reader's rate while the host-tier
+  model runs, and from the rate the tier's reads reached during the steps (``stats()``:
+  the simulation given the rate the step saw).
 
 It prints each round, then the median ratio of the rounds and their range, and what
 ``stats()`` says of the reads during the timed steps. Run: ``python -m
@@ -142,31 +145,38 @@ def settle(offloader: ModelOffloader) -> None:
 
 
 def while_reading(reader: DiskReader, runs: list[list[Run]], buffers: list[torch.Tensor],
-                  work: Callable[[], list[float]]) -> list[float]:
+                  work: Callable[[], list[float]]) -> tuple[list[float], float]:
     """`work`'s result, run while another thread reads `runs` as the tier reads them, over
-    and over (the compute of a step that overlaps its reads on the same cores)."""
+    and over (what a step's compute and its reads take from each other on these cores);
+    and the rate those reads reached meanwhile, GB/s."""
     done = threading.Event()
+    read = [0, 0.0]  # bytes, seconds
 
-    def read() -> None:
+    def loop() -> None:
         while not done.is_set():
-            read_like_the_tier(reader, runs, buffers=buffers)
+            start = time.perf_counter()
+            read[0] += read_like_the_tier(reader, runs, buffers=buffers)
+            read[1] += time.perf_counter() - start
 
-    thread = threading.Thread(target=read, name="bench-disk-step-reads")
+    thread = threading.Thread(target=loop, name="bench-disk-step-reads")
     thread.start()
     try:
-        return work()
+        found = work()
     finally:
         done.set()
         thread.join()
+    return found, read[0] / read[1] / GB if read[1] else 0.0
 
 
 @attrs.frozen(kw_only=True)
 class Round:
-    """One round: the two readers' rates (GB/s), the steps (seconds), and the cores and
-    disk reads (GB/s) other processes used meanwhile."""
+    """One round: the two readers' rates (GB/s; `loaded`: the tier reader's while the
+    host-tier model runs), the steps (seconds), and the cores and disk reads (GB/s) other
+    processes used meanwhile."""
 
     plain: float
     reader: float
+    loaded: float
     host_steps: tuple[float, ...]
     reading_steps: tuple[float, ...]
     steps: tuple[float, ...]
@@ -223,13 +233,14 @@ def measure_rounds(models: Models, ids: torch.Tensor, runs: list[list[Run]],
                     else:
                         rates[side] = timed(functools.partial(read_like_the_tier, reader, runs, buffers=staging[0]))
                 host_steps = steps_of(models.host, ids, args.steps)
-                reading = while_reading(background, runs, staging[1],
-                                        functools.partial(steps_of, models.host, ids, args.steps))
+                reading, loaded = while_reading(background, runs, staging[1],
+                                                functools.partial(steps_of, models.host, ids, args.steps))
                 steps_of(models.disk, ids, 0)  # the step after the pause: its first reads were done
                 before = offloader.stats()
                 steps = steps_of(models.disk, ids, args.steps, untimed=0)
                 waits.append((before, offloader.stats()))
-                rounds.append(Round(plain=rates["plain"], reader=rates["reader"], host_steps=tuple(host_steps),
+                rounds.append(Round(plain=rates["plain"], reader=rates["reader"], loaded=loaded,
+                                    host_steps=tuple(host_steps),
                                     reading_steps=tuple(reading), steps=tuple(steps), others=others(since)))
     finally:
         buffer.release()
@@ -352,7 +363,8 @@ def report(tokens: int, measured: tuple[list[Round], OffloadStats], disk_bytes: 
 
     for index, r in enumerate(rounds):
         print(f"{t} round {index + 1}: plain {r.plain:.3f} GB/s, reader {r.reader:.3f} GB/s; host-tier steps "
-              f"{ms(r.host_steps)} ms, while the disk reads {ms(r.reading_steps)} ms; steps {ms(r.steps)} ms; "
+              f"{ms(r.host_steps)} ms, while the disk reads {ms(r.reading_steps)} ms (it reads at {r.loaded:.3f} "
+              f"GB/s); steps {ms(r.steps)} ms; "
               f"other processes {r.others[0]:.2f} cores, {r.others[1]:.3f} GB/s of disk reads")
     median = statistics.median
     print(f"{t} step {median(r.step for r in rounds) * 1e3:.1f} ms, host-tier step "
@@ -361,7 +373,8 @@ def report(tokens: int, measured: tuple[list[Round], OffloadStats], disk_bytes: 
           f"(medians of {len(rounds)} rounds)")
     achieved = stats.disk_bytes_read / stats.disk_read_seconds / GB if stats.disk_read_seconds else 0.0
     print(f"{t} plain reader {median(r.plain for r in rounds):.3f} GB/s, tier's reader "
-          f"{median(r.reader for r in rounds):.3f} GB/s, the tier during the steps {achieved:.3f} GB/s; "
+          f"{median(r.reader for r in rounds):.3f} GB/s, {median(r.loaded for r in rounds):.3f} GB/s while the "
+          f"host-tier model runs, the tier during the steps {achieved:.3f} GB/s; "
           f"reader/plain: {_spread([r.reader / r.plain for r in rounds])}")
     limits = [r.step / max(r.host_step, disk_bytes / (r.plain * GB)) for r in rounds]
     print(f"{t} ratio step/limit: {_spread(limits)}; target at most {1 + TARGET:.2f}; the limit max(host-tier "
@@ -369,11 +382,17 @@ def report(tokens: int, measured: tuple[list[Round], OffloadStats], disk_bytes: 
     guesses = [r.step / ahead(compute=r.host_step, disk_gbps=r.reader) for r in rounds]
     print(f"{t} ratio step/predicted: {_spread(guesses)}; target {1 - TARGET:.2f} to {1 + TARGET:.2f}; "
           "estimate_with_tier from the host-tier step and the tier reader's rate")
-    others_ = (("the plain rate", [r.step / ahead(compute=r.host_step, disk_gbps=r.plain) for r in rounds]),
-               (f"offload env --disk's {env_gbps:.3f} GB/s",
-                [r.step / ahead(compute=r.host_step, disk_gbps=env_gbps) for r in rounds]),
-               ("the host-tier step while the disk reads",
-                [r.step / ahead(compute=r.reading_step, disk_gbps=r.reader) for r in rounds]))
+    others_: list[tuple[str, list[float]]] = [
+        ("the plain rate", [r.step / ahead(compute=r.host_step, disk_gbps=r.plain) for r in rounds]),
+        (f"offload env --disk's {env_gbps:.3f} GB/s",
+         [r.step / ahead(compute=r.host_step, disk_gbps=env_gbps) for r in rounds]),
+        ("the host-tier step while the disk reads",
+         [r.step / ahead(compute=r.reading_step, disk_gbps=r.reader) for r in rounds]),
+        ("the reader's rate while the host-tier model runs",
+         [r.step / ahead(compute=r.host_step, disk_gbps=r.loaded) for r in rounds])]
+    if achieved:  # the rate the tier's reads reached during the steps (the structure, given the rate)
+        others_.append((f"the tier's {achieved:.3f} GB/s during the steps",
+                        [r.step / ahead(compute=r.host_step, disk_gbps=achieved) for r in rounds]))
     print(f"{t} step/predicted from " + "; ".join(f"{what}: {_spread(values)}" for what, values in others_))
     print(f"{t} copies waited {stats.disk_wait_seconds / max(stats.steps, 1) * 1e3:.1f} ms per step, "
           f"{stats.disk_misses} reads not started ahead")

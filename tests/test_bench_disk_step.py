@@ -32,18 +32,19 @@ def test_quick_run_prints_the_limit_the_prediction_and_their_ratios(tmp_path: Pa
     env = re.search(rf"^offload env --disk before the steps: {NUMBER} GB/s \(DiskReader, 4 threads, ", out, re.M)
     tier = re.search(r"^tier: (\d+) of (\d+) layers on disk \(([\d.]+) GB per step\)", out, re.M)
     round_ = re.search(rf"^tokens 8: round 1: plain {NUMBER} GB/s, reader {NUMBER} GB/s; host-tier steps {NUMBER} "
-                       rf"ms, while the disk reads {NUMBER} ms; steps {NUMBER} ms; other processes {NUMBER} cores, "
-                       rf"{NUMBER} GB/s of disk reads$", out, re.M)
+                       rf"ms, while the disk reads {NUMBER} ms \(it reads at {NUMBER} GB/s\); steps {NUMBER} ms; "
+                       rf"other processes {NUMBER} cores, {NUMBER} GB/s of disk reads$", out, re.M)
     assert env and tier and round_, out
     assert 0 < int(tier.group(1)) <= int(tier.group(2)) == 8
-    plain, reader, host, reading, step = (float(v) for v in round_.groups()[:5])
-    assert min(plain, reader, host, reading, step, float(env.group(1))) > 0
+    plain, reader, host, reading, loaded, step = (float(v) for v in round_.groups()[:6])
+    assert min(plain, reader, host, reading, loaded, step, float(env.group(1))) > 0
     # One round: each ratio is that round's, as printed (to 0.1 ms: a few percent of the quick run's ms).
     assert spread("reader/plain", out)[0] == pytest.approx(reader / plain, rel=0.01)
     limit = max(host / 1e3, float(tier.group(3)) / plain)  # seconds: the host-tier step, GB / (GB/s)
     assert spread("ratio step/limit", out)[0] == pytest.approx(step / 1e3 / limit, rel=0.1)
     assert "target at most 1.15" in out and "target 0.85 to 1.15" in out
-    for name in ("ratio step/predicted", "from the plain rate", "offload env --disk's", "while the disk reads"):
+    for name in ("ratio step/predicted", "from the plain rate", "offload env --disk's", "while the disk reads",
+                 "the reader's rate while the host-tier model runs", "during the steps"):
         spread(name, out)
     assert re.search(r"^tokens 8: copies waited [\d.]+ ms per step, 0 reads not started ahead$", out, re.M), out
     assert list(tmp_path.iterdir()) == []
