@@ -35,9 +35,10 @@ leave the cores and the disk, and says what they used. Per round:
 
 It prints each round, then the median ratio of the rounds and their range, and what
 ``stats()`` says of the reads during the timed steps. Run: ``python -m
-benchmarks.bench_disk_step --size 0.5`` (about 3 minutes on the CPU machine; 2.7 and 6.0
-need 3 and 6 GB of disk and twice that of host memory, and 6 and 12 minutes); ``--quick``
-is a small smoke run.
+benchmarks.bench_disk_step --size 0.5`` (1 to 3 minutes on the CPU machine, longer while
+other processes keep it busy; 2.7 and 6.0 need 3 and 6 GB of disk, about 1.5x that of host
+memory, and about 3 and 6 minutes); ``--quick`` is a small smoke run.
+docs/disk.md ("A step against the prediction") has the measurements.
 """
 
 from __future__ import annotations
