@@ -46,6 +46,7 @@ from pathlib import Path
 import attrs
 
 from offload.runtime.diskio import DiskReader
+from offload.runtime.diskrate import evict
 
 MIB = 1 << 20
 GB = 1e9
@@ -92,15 +93,6 @@ def write_files(directory: Path, count: int, nbytes: int) -> list[tuple[Path, in
     return files
 
 
-def evict(paths: Sequence[Path]) -> None:
-    """Ask the kernel to drop the files' pages (best effort): fsync, then DONTNEED on each."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def open_direct(path: Path) -> tuple[int, bool]:

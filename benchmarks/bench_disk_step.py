@@ -60,7 +60,6 @@ import torch
 
 from benchmarks.bench_disk import (
     PIECE,
-    evict,
     filesystem_of,
     merged_runs,
     others,
@@ -80,7 +79,7 @@ from offload.pure.plan.plan import OffloadPlan
 from offload.pure.stats import OffloadStats
 from offload.runtime.cpu import CpuRuntime
 from offload.runtime.diskio import DiskReader
-from offload.runtime.diskrate import layer_bytes, measure_disk_rate, read_like_the_tier, staging_buffers
+from offload.runtime.diskrate import evict, layer_bytes, measure_disk_rate, read_like_the_tier, staging_buffers
 
 MIB = 1 << 20
 GB = 1e9

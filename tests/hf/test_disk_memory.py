@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench_disk import evict
 from offload.runtime.diskio import CHUNK_BYTES, THREADS
+from offload.runtime.diskrate import evict
 from tests.hf.load_script import STATUS, build
 
 SCRIPT = Path(__file__).with_name("load_script.py")

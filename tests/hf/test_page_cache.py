@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from offload.hf import load_on_host, offload_pretrained
 from offload.model.checkpoint import checkpoint_extents
 from offload.runtime.cpu import CpuRuntime
 from offload.runtime.diskio import BLOCK_BYTES, DiskReader
+from offload.runtime.diskrate import evict
 from tests.executors.disk_helpers import plan_tier
 from tests.hf.checkpoints import build, save, step_logits
 
@@ -45,13 +45,7 @@ def cached_pages(path: Path) -> int:
 
 def _evict(files: list[Path]) -> None:
     """Write the files back and drop their pages; skip where they stay (tmpfs)."""
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(files)
     kept = {path.name: cached_pages(path) for path in files if cached_pages(path)}
     if kept:
         pytest.skip(f"the filesystem of {files[0].parent} keeps its files in memory (pages left: {kept})")
