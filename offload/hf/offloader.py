@@ -221,17 +221,17 @@ class ModelOffloader:
                 raise ExecutionError(f"load_weights: {name!r} does not start with the prefix {prefix!r}", name=name,
                                      value=prefix)
             own = name[len(prefix):]
-            for path, first in paths:
+            for path, first, count in paths:
                 if own.startswith(path):
                     index, _, rest = own[len(path):].partition(".")
                     if index.isdigit() and rest:
-                        inner = f"{first + int(index)}.{rest}" if int(index) < self._stack_len(path) else own
+                        inner = f"{first + int(index)}.{rest}" if int(index) < count else own
                         back[inner] = name
                         return inner, tensor  # type: ignore[return-value]  # the executor checks the tensor
             slot = outside.get(own)
             if slot is None:
                 raise ExecutionError(f"load_weights: {name!r} is not a parameter or buffer of the model (its layer "
-                                     f"stacks are {', '.join(p.rstrip('.') for p, _ in paths)})", name=name,
+                                     f"stacks are {', '.join(p.rstrip('.') for p, _, _ in paths)})", name=name,
                                      value=own)
             self._outside_target(name, slot, tensor)
             return None
@@ -269,19 +269,19 @@ class ModelOffloader:
             else:
                 yield pair
 
-    def _layer_paths(self) -> list[tuple[str, int]]:
-        """Each stack's path in the model with a trailing dot, and its first layer's index
-        in the executor's plan; longest path first (a stack inside a module named like another)."""
+    def _layer_paths(self) -> list[tuple[str, int, int]]:
+        """Each stack's path in the model with a trailing dot, its first layer's index in
+        the executor's plan and its number of layers; longest path first (a stack inside a
+        module named like another)."""
         names = {id(module): name for name, module in self._model.named_modules()}
-        found: dict[str, int] = {}
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
         for index, layer in enumerate(self._layers):
             path, _, _ = names.get(id(layer), "").rpartition(".")
-            found.setdefault(f"{path}." if path else "", index)
-        return sorted(found.items(), key=lambda item: -len(item[0]))
-
-    def _stack_len(self, path: str) -> int:
-        stack = self._model.get_submodule(path.rstrip(".")) if path else self._model
-        return len(stack) if isinstance(stack, nn.ModuleList) else 0
+            key = f"{path}." if path else ""
+            first.setdefault(key, index)
+            count[key] = count.get(key, 0) + 1
+        return sorted(((key, first[key], count[key]) for key in first), key=lambda item: -len(item[0]))
 
     def _outside_by_name(self) -> dict[str, Slot]:
         """Every tensor outside the layers (and every buffer) by each of its names in the model."""
