@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -87,8 +88,6 @@ def probe_platform(read_text: ReadText, cuda: CudaProbe | None, *, torch_version
 def _installed_torch_version() -> str:
     """torch's version as installed (its package metadata), without importing it; the
     imported module's where torch is imported already."""
-    import sys
-
     loaded = sys.modules.get("torch")
     if loaded is not None:
         return str(loaded.__version__)
