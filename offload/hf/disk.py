@@ -1,27 +1,36 @@
 """The disk tier of a model being offloaded (`offload_model(..., host_budget_bytes=)`): the
 plan's tier for a host budget, its layers read from the model's checkpoint where they lie
 there (found by their names in the model: ``model.layers.3.mlp.up_proj.weight``), spilled
-otherwise."""
+otherwise; and `PieceSpill`, which writes a spilled weight the checkpoint holds in pieces
+(MoE experts stored one tensor per expert) from those pieces."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from typing import final
 
 import attrs
+import torch
 from torch import nn
 
-from offload.errors import ConfigError, PlanError
+from offload.errors import ConfigError, ExecutionError, PlanError
+from offload.executors.prefetch.disk import DiskIO
+from offload.hf.conversions import LiveSource, spill_runs
 from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS, DiskSource, DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.units import format_bytes
+from offload.runtime.spill import SpillFile
 
-__all__ = ["DiskRequest", "check_spill_dir", "disk_request", "plan_model_disk", "spill_room"]
+__all__ = ["DiskRequest", "PieceSpill", "check_spill_dir", "disk_request", "plan_model_disk", "spill_room"]
 
 log = logger("offload.plan")
 
@@ -160,3 +169,103 @@ def plan_model_disk(model: nn.Module, layers: Sequence[nn.Module], plan: Offload
              format_bytes(tier.spill_bytes), format_bytes(tier.host_tier_bytes),
              format_bytes(tier.staging_ring_bytes))
     return tier
+
+
+@final
+class PieceSpill:
+    """Spilled disk-tier weights that the checkpoint holds in pieces (a live tensor that
+    transformers makes at load from several stored ones: `offload.hf.conversions`), written
+    to the spill file piece by piece from the stored tensors, never whole in host memory.
+
+    `placeholder` gives such a weight a host tensor of its shape and dtype, contiguous,
+    that takes no host memory (a private anonymous mapping nothing writes; a read would see
+    the zero page). The disk tier spills it at ``wrap_modules`` as it spills any weight not
+    in the checkpoint as the model holds it (`offload.executors.diskhost.DiskHost`); the
+    spill file it writes through (`io`, a `PrefetchOffloader`'s ``disk_io``) knows the
+    placeholder's memory and writes the pieces in its stead, each read by `read` (one at a
+    time) and converted to the weight's dtype, at its offset. `check` then says whether
+    every placeholder was written so.
+
+    Args:
+        read: a stored tensor by its checkpoint name (a view valid until the next read).
+    """
+
+    def __init__(self, read: Callable[[str], torch.Tensor]) -> None:
+        self._read = read
+        # (address, bytes) of a placeholder -> its name, dtype, runs, and what keeps its memory
+        self._pending: dict[tuple[int, int], tuple[str, torch.dtype, tuple[tuple[str, int], ...], object]] = {}
+
+    @property
+    def io(self) -> DiskIO:
+        """The disk tier's I/O, its spill file writing the placeholders from their pieces."""
+        return DiskIO(spill=lambda directory: SpillFile(directory, pwrite=self._pwrite))
+
+    def place(self, layer: nn.Module, name: str, source: LiveSource) -> None:
+        """Parameter `name` of `layer` (on meta) over a placeholder of `source`, under every
+        name that holds it, of its class and with its attributes (as ``wrap_modules``
+        replaces a meta Parameter).
+
+        Raises:
+            CheckpointError: a piece that is not one contiguous run of the weight.
+        """
+        old = layer.get_parameter(name)
+        new = torch.Tensor._make_subclass(type(old), self.placeholder(source, old.dtype), old.requires_grad)
+        new.__dict__.update(old.__dict__)
+        for module in layer.modules():
+            for leaf, param in list(module._parameters.items()):
+                if param is old:
+                    module._parameters[leaf] = new
+
+    def placeholder(self, source: LiveSource, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of `source`'s shape in `dtype` that takes no host memory, whose
+        spill write writes `source`'s pieces.
+
+        Raises:
+            CheckpointError: a piece that is not one contiguous run of the weight.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        runs = spill_runs(source, itemsize)
+        nbytes = itemsize * int(torch.Size(source.shape).numel())
+        if not nbytes:
+            return torch.empty(source.shape, dtype=dtype)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        tensor = torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(source.shape)
+        self._pending[(tensor.data_ptr(), nbytes)] = (source.name, dtype, runs, region)
+        return tensor
+
+    def check(self) -> None:
+        """Refuse when a placeholder was not written from its pieces (the spill file would
+        hold zeros for it).
+
+        Raises:
+            ExecutionError: naming the first such weight.
+        """
+        if self._pending:
+            name = next(iter(self._pending.values()))[0]
+            raise ExecutionError(f"{name}: the disk tier did not write it to the spill file from the checkpoint's "
+                                 f"tensors that make it ({len(self._pending)} such weights): load without "
+                                 "host_budget_bytes", name=name, value=len(self._pending))
+
+    def _pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        """``os.pwrite``, but a placeholder's bytes are its pieces, read and written in turn."""
+        try:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(data))
+        except TypeError:  # read-only memory: not a placeholder
+            address = -1
+        entry = self._pending.pop((address, len(data)), None)
+        if entry is None:
+            return os.pwrite(fd, data, offset)
+        _, dtype, runs, _ = entry
+        for stored, start in runs:
+            values = self._read(stored)
+            if values.dtype != dtype:
+                values = values.to(dtype)  # one piece converted at a time
+            raw: memoryview = values.reshape(-1).view(torch.uint8).numpy().data
+            raw = raw.cast("B")
+            done = 0
+            while done < len(raw):
+                wrote = os.pwrite(fd, raw[done:], offset + start + done)
+                if wrote <= 0:
+                    raise OSError(errno.EIO, "write returned nothing")
+                done += wrote
+        return len(data)

@@ -27,11 +27,15 @@ The dtype: with `dtype`, every floating-point weight in it (diffusers: except th
 its ``_keep_in_fp32_modules`` names, kept in float32, as diffusers keeps them). Without it,
 a transformers model in the dtype most of the checkpoint's floating-point bytes are stored
 in (transformers' per-module rules such as ``_keep_in_fp32_modules`` are not applied), a
-diffusers model as diffusers builds it without ``torch_dtype`` (float32, the default). The
-weights are read by their names in the model: a checkpoint whose names or layouts the
-library converts at load (renamed keys, MoE experts fused), a `dtype` other than the one
-stored for a disk weight, or quantisation at load are refused, naming the first weight;
-load those without a host budget.
+diffusers model as diffusers builds it without ``torch_dtype`` (float32, the default).
+
+Each weight is read from the stored tensors that make it (`offload.hf.conversions`): its
+own, or those transformers' load-time conversions give it (renamed keys; MoE experts
+stored one tensor per expert, each read into its rows of the fused tensor: into the host
+copy, or, for a disk weight, written to the spill file piece by piece: `PieceSpill`). A
+conversion operation not carried out there, a `dtype` other than the one stored for a
+disk weight read where it lies, or quantisation at load are refused, naming the first
+weight; load those without a host budget.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import contextlib
 import mmap
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, final
 
@@ -50,7 +54,8 @@ from torch import nn
 
 from offload.errors import CheckpointError, ConfigError, ExecutionError, OffloadError
 from offload.executors.common import torch_dtype
-from offload.hf.disk import DiskRequest, plan_model_disk
+from offload.hf.conversions import LiveSource, Outside, live_sources, outside_sources, source_of
+from offload.hf.disk import DiskRequest, PieceSpill, plan_model_disk
 from offload.hf.layers import find_stacks
 from offload.hf.model import plan_model
 from offload.hf.offloader import ModelOffloader, outside_bytes, outside_tensors
@@ -231,57 +236,13 @@ def _stored_dtype(tensors: Mapping[str, TensorHeader]) -> torch.dtype:
     return torch_dtype(max(counts, key=lambda name: counts[name]))
 
 
-#: A tensor outside the layers to read: where it goes (each module and name holding it, a
-#: tie's every name), its name in the checkpoint, the tensor there now, and whether it is a parameter.
-_Outside = tuple[list[tuple[nn.Module, str]], str, torch.Tensor, bool]
-
-
-def _outside(model: nn.Module, layers: Sequence[nn.Module], tensors: Mapping[str, TensorHeader]) -> list[_Outside]:
-    """Every parameter outside the layers (a tie once, under the first of its names the
-    checkpoint holds) and every persistent buffer the checkpoint holds, checked against
-    the checkpoint's shapes; nothing is read.
-
-    Raises:
-        CheckpointError: a parameter under none of its names in the checkpoint, or a
-            tensor of another shape there.
-    """
-    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-
-    def full_name(module: nn.Module, name: str) -> str:
-        return f"{names[id(module)]}.{name}".lstrip(".")
-
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    found: list[_Outside] = []
-    for (module, name, is_param), tensor in outside_tensors(model, layers):
-        full = full_name(module, name)
-        if is_param and isinstance(tensor, nn.Parameter):
-            slots.setdefault(id(tensor), []).append((module, name))
-            params[id(tensor)] = tensor
-        elif full in tensors:  # a persistent buffer saved with the weights
-            found.append(([(module, name)], full, tensor, False))
-    for key, param in params.items():
-        where = slots[key]
-        first = next((full_name(m, n) for m, n in where if full_name(m, n) in tensors), None)
-        if first is None:
-            shown = ", ".join(full_name(m, n) for m, n in where)
-            raise CheckpointError(f"{shown}: not in the checkpoint under the model's name (the library renames or "
-                                  "converts it at load): load without host_budget_bytes", name=shown, value=None)
-        found.append((where, first, param, True))
-    for _, full, tensor, _ in found:
-        if tuple(tensors[full].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{full}: {tensors[full].shape} in the checkpoint, {tuple(tensor.shape)} in the "
-                                  "model", name=full, value=tensors[full].shape)
-    return found
-
-
-def _read_outside(found: Sequence[_Outside], tensors: Mapping[str, TensorHeader],
-                  extents: Mapping[str, DiskExtent], reads: _TensorReads) -> None:
-    """Read each tensor of `found` into memory of its own, in the model's dtype, and put it
-    in every place that holds it."""
-    for where, full, tensor, is_param in found:
+def _read_outside(found: Sequence[Outside], read: Callable[[str], torch.Tensor]) -> None:
+    """Read each tensor of `found` into memory of its own (each stored tensor of it into its
+    region), in the model's dtype, and put it in every place that holds it."""
+    for where, source, tensor, is_param in found:
         data = torch.empty(tensor.shape, dtype=tensor.dtype)  # its own memory, not the read buffer
-        data.copy_(reads.read(extents[full], tensors[full]))
+        for piece in source.pieces:
+            piece.view(data).copy_(read(piece.stored))
         new = nn.Parameter(data, requires_grad=tensor.requires_grad) if is_param else data
         for module, name in where:
             if is_param:
@@ -290,19 +251,32 @@ def _read_outside(found: Sequence[_Outside], tensors: Mapping[str, TensorHeader]
                 module._buffers[name] = new
 
 
-def _layer_weights(plan_params: Sequence[tuple[int, str]], layer_names: Sequence[str],
-                   tensors: Mapping[str, TensorHeader], extents: Mapping[str, DiskExtent],
-                   reads: _TensorReads) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each layer weight to load, as `load_weights` names it, read from the checkpoint as
-    it is asked for into the read buffer (`load_weights` copies it into the weight,
-    converting its dtype, before it asks for the next)."""
-    for layer, name in plan_params:
-        full = f"{layer_names[layer]}.{name}"
-        header = tensors.get(full)
-        if header is None:
-            raise CheckpointError(f"{full}: not in the checkpoint under the model's name (the library renames or "
-                                  "fuses it at load): load without host_budget_bytes", name=full, value=None)
-        yield f"{layer}.{name}", reads.read(extents[full], header)
+def _layer_weights(wanted: Sequence[tuple[int, str]], layer_names: Sequence[str], sources: Mapping[str, LiveSource],
+                   read: Callable[[str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each layer weight that is one stored tensor, as `load_weights` names it, read from
+    the checkpoint as it is asked for into the read buffer (`load_weights` copies it into
+    the weight, converting its dtype, before it asks for the next)."""
+    for layer, name in wanted:
+        whole = source_of(sources, f"{layer_names[layer]}.{name}").whole
+        if whole is not None:
+            yield f"{layer}.{name}", read(whole)
+
+
+def _fill_pieces(wanted: Sequence[tuple[int, str]], layers: Sequence[nn.Module], layer_names: Sequence[str],
+                 sources: Mapping[str, LiveSource], read: Callable[[str], torch.Tensor]) -> None:
+    """Each layer weight made of several stored tensors (fused experts), written piece by
+    piece into the memory it points at after ``wrap_modules`` (its host copy, or the
+    device), one stored tensor in the read buffer at a time."""
+    with torch.no_grad():
+        for layer, name in wanted:
+            source = source_of(sources, f"{layer_names[layer]}.{name}")
+            if source.whole is None:
+                data = layers[layer].get_parameter(name).data
+                if tuple(data.shape) != source.shape:
+                    raise CheckpointError(f"{source.name}: {source.shape} in the checkpoint, {tuple(data.shape)} in "
+                                          "the model", name=source.name, value=source.shape)
+                for piece in source.pieces:
+                    piece.view(data).copy_(read(piece.stored))
 
 
 def load_streamed(
@@ -330,9 +304,10 @@ def load_streamed(
 
     Raises:
         CheckpointError: the library could not build the class from the config; a weight
-            is not in the checkpoint under the model's name, or of another shape; a disk
-            weight would have to be converted (a `dtype` other than the stored one); a
-            read failed.
+            is not in the checkpoint (under its name or one transformers' conversions give
+            it), or of another shape, or transformers makes it with an operation not
+            carried out here (`offload.hf.conversions`); a disk weight read where it lies
+            would have to be converted (a `dtype` other than the stored one); a read failed.
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
     root = Path(path)
@@ -353,28 +328,44 @@ def load_streamed(
                       outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
                       workload=workload, disk=attrs.evolve(disk, checkpoint=root), layer_names=layer_names)
     tier = plan_model_disk(model, layers, plan, env, attrs.evolve(disk, checkpoint=root))
-    spilled = next((p for p in tier.params if p.source is DiskSource.SPILL), None) if tier is not None else None
+    sources = live_sources(model, found.tensors)
+    on_disk = {(p.layer, p.name): p for p in tier.params} if tier is not None else {}
+    pieced = [(p, source_of(sources, f"{layer_names[p.layer]}.{p.name}")) for p in on_disk.values()
+              if p.source is DiskSource.SPILL]
+    spilled = next((p for p, source in pieced if source.as_stored), None)
     if spilled is not None:
         raise CheckpointError(f"layer {spilled.layer} parameter {spilled.name!r} would go to disk but cannot be read "
-                              f"from the checkpoint as the model holds it ({spilled.reason}): {library} converts "
-                              "it at load. Load with the dtype it is stored in, or, where host memory holds the "
-                              "model while it loads, load it (load_on_host) and offload it with offload_model(model, "
-                              "..., host_budget_bytes=, checkpoint=path, spill_dir=), which spills what the "
-                              "checkpoint does not hold as the model does", name=spilled.name, value=spilled.layer)
-    outside = _outside(model, layers, found.tensors)
-    on_disk = {(p.layer, p.name) for p in tier.params} if tier is not None else set()
+                              f"from the checkpoint as the model holds it ({spilled.reason}). Load with the dtype it "
+                              "is stored in, or, where host memory holds the model while it loads, load it "
+                              "(load_on_host) and offload it with offload_model(model, ..., host_budget_bytes=, "
+                              "checkpoint=path, spill_dir=), which spills what the checkpoint does not hold as the "
+                              "model does", name=spilled.name, value=spilled.layer)
+    outside = outside_sources(model, layers, sources)
     wanted = [(p.layer, p.name) for p in plan.params if p.tied_to is None and (p.layer, p.name) not in on_disk]
-    read = [full for _, full, _, _ in outside] + [f"{layer_names[i]}.{n}" for i, n in wanted]
-    largest = max((found.extents[full].length for full in read if full in found.extents), default=0)
+    made = [s for _, s, _, _ in outside] + [s for _, s in pieced] + [
+        source_of(sources, f"{layer_names[i]}.{n}") for i, n in wanted]
+    largest = max((found.extents[piece.stored].length for s in made for piece in s.pieces), default=0)
     from offload.create import create_offloader, default_runtime
+    from offload.executors.prefetch import PrefetchOffloader
 
     with contextlib.closing(_TensorReads(largest)) as reads:
-        _read_outside(outside, found.tensors, found.extents, reads)
+
+        def read(stored: str) -> torch.Tensor:
+            return reads.read(found.extents[stored], found.tensors[stored])
+
+        _read_outside(outside, read)
         rt = runtime if runtime is not None else default_runtime(plan)
-        offloader = ModelOffloader(model, layers, create_offloader(plan, rt, disk=tier, spill_dir=disk.spill_dir), rt)
+        spill = PieceSpill(read)
+        for p, source in pieced:  # spilled at wrap_modules from their pieces (never whole in memory)
+            spill.place(layers[p.layer], p.name, source)
+        inner = (PrefetchOffloader(plan, rt, disk=tier, spill_dir=disk.spill_dir, disk_io=spill.io) if pieced
+                 else create_offloader(plan, rt, disk=tier, spill_dir=disk.spill_dir))  # the same, but its spill file
+        offloader = ModelOffloader(model, layers, inner, rt)
         offloader.wrap_modules(layers)
         try:
-            offloader.inner.load_weights(_layer_weights(wanted, layer_names, found.tensors, found.extents, reads))
+            spill.check()
+            offloader.inner.load_weights(_layer_weights(wanted, layer_names, sources, read))
+            _fill_pieces(wanted, layers, layer_names, sources, read)
         except BaseException as exc:
             _give_back(offloader, exc)
     try:

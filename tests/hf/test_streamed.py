@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import CheckpointError, ConfigError, EnvSnapshot, OffloadConfig
+from offload import ConfigError, EnvSnapshot, ExecutionError, OffloadConfig
 from offload.hf import load_on_host, offload_pretrained
+from offload.pure.disk.tier import DiskSource
 from offload.runtime.cpu import CpuRuntime
 from tests.executors.disk_helpers import build_model, plan_tier, weights
 from tests.hf.checkpoints import build, save, step_logits
@@ -49,16 +50,24 @@ def test_streamed_load_generates_bit_for_bit(arch: str, sharded: bool, tmp_path:
     assert _equal(step_logits(model), want)
 
 
-def test_fused_experts_are_refused_naming_the_weight(tmp_path: Path) -> None:
-    """transformers fuses Mixtral's experts at load and saves them unfused: not readable by
-    name, so a host budget that puts them on disk is refused before anything is read."""
-    model = build_model("mixtral")
-    checkpoint = save(model, tmp_path / "ckpt", sharded=False)
-    budget = plan_tier(model, checkpoint)[0].host_bytes - 1
-    with pytest.raises(CheckpointError, match=r"parameter 'mlp\.(gate|experts)[^']*' would go to disk") as caught:
-        offload_pretrained(checkpoint, OffloadConfig(group_size=6, num_in_group=5, prefetch_step=1),
-                           env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=budget)
-    assert isinstance(caught.value.name, str) and caught.value.name.startswith("mlp.")
+def test_fused_experts_load_from_the_weights_stored_one_per_expert(tmp_path: Path) -> None:
+    """transformers fuses Mixtral's experts at load and saves them unfused: each disk-tier
+    weight they make is written to the spill file from the stored tensors, and the model
+    generates bit for bit; without spill_dir that is refused, naming the weight."""
+    reference = build_model("mixtral")
+    checkpoint = save(reference, tmp_path / "ckpt", sharded=False)
+    config = OffloadConfig(group_size=6, num_in_group=5, prefetch_step=1)
+    budget = plan_tier(reference, checkpoint, config=config)[0].host_bytes - 1
+    with pytest.raises(ExecutionError, match=r"parameter 'mlp\.(gate|experts)[^']*'.*no spill_dir") as caught:
+        offload_pretrained(checkpoint, config, env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=budget)
+    assert caught.value.name == "spill_dir"
+    model, offloader = offload_pretrained(checkpoint, config, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                          host_budget_bytes=budget, spill_dir=tmp_path)
+    tier = offloader.disk_tier
+    assert tier is not None and tier.spill_bytes > 0
+    assert {p.name for p in tier.params if p.source is DiskSource.SPILL} == {
+        "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert _equal(step_logits(model), step_logits(reference))
 
 
 def test_from_pretrained_options_and_disk_options_alone_are_refused(tmp_path: Path) -> None:
