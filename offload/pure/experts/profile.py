@@ -1,0 +1,107 @@
+"""Routing profiles: checking one against a model (`check_profile`), the experts it says
+to hold (`held_from_profile`), its JSON form (`profile_to_json`, `profile_from_json`),
+and the profile of a trace (`trace_profile`)."""
+
+from __future__ import annotations
+
+import json
+
+from offload.errors import OffloadError, PlanError
+from offload.pure._checks import is_int
+from offload.pure.experts.values import RoutingProfile, RoutingTrace
+from offload.pure.serialize import from_data, parse_json, short_repr, to_data
+from offload.pure.spec.experts import ExpertGroup
+
+__all__ = ["PROFILE_FORMAT", "check_profile", "held_from_profile", "profile_from_json", "profile_to_json",
+           "trace_profile"]
+
+#: The ``format`` of a routing profile's JSON document.
+PROFILE_FORMAT = "offload-routing-profile/1"
+
+
+def check_profile(profile: RoutingProfile, groups: tuple[ExpertGroup, ...]) -> None:
+    """Raise `PlanError` unless `profile` is of the model whose experts modules are
+    `groups`: the same modules (by layer and module) and one count per expert.
+
+    Raises:
+        PlanError: naming the first module the profile lacks, then the first it has that
+            the model does not, then the first whose counts are not E long.
+    """
+    if not isinstance(profile, RoutingProfile):
+        raise PlanError(f"profile must be a RoutingProfile, got {profile!r}", name="profile", value=profile)
+    counts = {(layer, module): c for layer, module, c in profile.counts}
+    wanted = {(g.layer, g.module): g for g in groups}
+    for key in wanted:
+        if key not in counts:
+            raise PlanError(f"the routing profile has no experts module {key[0]}:{key[1]}; it is not of this model",
+                            name="profile", value=key)
+    for key in counts:
+        if key not in wanted:
+            raise PlanError(f"the routing profile names experts module {key[0]}:{key[1]}, which this model does not "
+                            "have; it is not of this model", name="profile", value=key)
+    for key, group in wanted.items():
+        if len(counts[key]) != group.num_experts:
+            raise PlanError(f"the routing profile counts {len(counts[key])} experts for {key[0]}:{key[1]}, which "
+                            f"has {group.num_experts}; it is not of this model", name="profile",
+                            value=len(counts[key]))
+
+
+def held_from_profile(profile: RoutingProfile, group: ExpertGroup, slots: int) -> tuple[int, ...]:
+    """The experts of `group` to hold: the most often routed, at most `slots` of them,
+    only those routed at all, ties to the lower index; sorted.
+
+    Raises:
+        PlanError: the profile has no entry for `group`, or its counts are not E long, or
+            `slots` is not an integer >= 0.
+    """
+    if not is_int(slots) or slots < 0:
+        raise PlanError(f"slots must be an integer >= 0, got {slots!r}", name="slots", value=slots)
+    counts = next((c for layer, module, c in profile.counts if (layer, module) == (group.layer, group.module)), None)
+    if counts is None:
+        raise PlanError(f"the routing profile has no experts module {group.layer}:{group.module}", name="profile",
+                        value=(group.layer, group.module))
+    if len(counts) != group.num_experts:
+        raise PlanError(f"the routing profile counts {len(counts)} experts for {group.layer}:{group.module}, which "
+                        f"has {group.num_experts}", name="profile", value=len(counts))
+    hottest = sorted((expert for expert, count in enumerate(counts) if count > 0),
+                     key=lambda expert: (-counts[expert], expert))
+    return tuple(sorted(hottest[:slots]))
+
+
+def profile_to_json(profile: RoutingProfile, *, indent: int | None = None) -> str:
+    """The profile as a `PROFILE_FORMAT` document; `profile_from_json` reads it back equal."""
+    return json.dumps({"format": PROFILE_FORMAT, "profile": to_data(profile)}, indent=indent)
+
+
+def profile_from_json(text: str | bytes) -> RoutingProfile:
+    """Read a profile written by `profile_to_json`; the text is untrusted.
+
+    Raises:
+        PlanError: the text is not JSON (see `offload.pure.serialize.parse_json`), not a
+            `PROFILE_FORMAT` document, or its profile breaks a rule of `RoutingProfile`.
+    """
+    document = parse_json(text)
+    if not isinstance(document, dict) or document.get("format") != PROFILE_FORMAT:
+        found = document.get("format") if isinstance(document, dict) else type(document).__name__
+        raise PlanError(f"not an {PROFILE_FORMAT} document (format is {short_repr(found)})", name="format",
+                        value=found)
+    try:
+        return from_data(RoutingProfile, document.get("profile"))
+    except PlanError:
+        raise
+    except OffloadError as exc:
+        raise PlanError(f"the routing profile breaks a rule: {exc}", name=exc.name, value=exc.value) from exc
+
+
+def trace_profile(trace: RoutingTrace) -> RoutingProfile:
+    """The profile of a trace: per module, the calls that routed each expert (a trace
+    records which experts a call routes, not how many of its tokens each; a recorded
+    profile counts tokens)."""
+    counts = []
+    for g, group in enumerate(trace.groups):
+        per_expert = [0] * group.num_experts
+        for step in trace.steps:
+            for expert in step[g]:
+                per_expert[expert] += 1
+        counts.append((group.layer, group.module, tuple(per_expert)))
+    return RoutingProfile(counts=tuple(counts))
