@@ -5,8 +5,10 @@
   was saved is built on meta (which imports transformers, seconds) only when the headers
   leave a question the plan needs answered: the order of two or more stacks, whether a
   tensor in the layers that is neither a ``weight`` nor a ``bias`` is a persistent buffer,
-  or which weights are ``nn.Linear`` ones for ``--quantization``. A one-stack model of
-  weights and biases (every Llama, Qwen, Mistral, Mixtral checkpoint) is planned from the
+  or which weights are ``nn.Linear`` ones for ``--quantization``, or how transformers
+  makes the live layers of tensors stored one per module of a list in a layer (MoE
+  experts, which it fuses at load: the plan is of the live layers, `_live`). A one-stack
+  model of weights and biases (every Llama, Qwen, Mistral checkpoint) is planned from the
   headers alone, in the time it takes to import torch.
 - A directory holding a ``config.json`` and no weights (or that file itself): the class
   built on meta in the config's dtype, its tensors as ``save_pretrained`` writes them
@@ -172,6 +174,42 @@ def _questions(headers: CheckpointSpec) -> list[str]:
     return found
 
 
+def _stored_apart(headers: CheckpointSpec) -> list[str]:
+    """The layers' tensors stored one per module of a list in a layer
+    (``mlp.experts.3.gate_proj.weight``), which transformers may fuse at load."""
+    return [f"{layer.name}.{p.name}" for layer in headers.spec.layers for p in layer.params
+            if any(part.isdigit() for part in p.name.split("."))]
+
+
+def _live(root: Path, tensors: Sequence[TensorHeader], saved: SavedModel) -> tuple[Sequence[TensorHeader], SavedModel,
+                                                                                    str]:
+    """`tensors` as the live model holds them, transformers' load-time conversions applied
+    (`offload.hf.conversions`, on the class built as a streamed load builds it), `saved`'s
+    names of buffers and ``nn.Linear`` weights as the live model's, and a line saying so
+    (empty when nothing is converted); as they are, with the reason, when that fails."""
+    from offload.hf.conversions import live_headers, live_sources
+    from offload.hf.pretrained import saved_class
+    from offload.hf.streamed import build_on_meta
+
+    try:
+        model_class, _ = saved_class(root / _CONFIG)
+        if model_class is None or not hasattr(model_class, "_from_config"):
+            return tensors, saved, ""
+        sources = live_sources(build_on_meta(model_class, root), {t.name: t for t in tensors})
+    except CheckpointError as exc:
+        return tensors, saved, f"layers:   as stored, not as transformers loads them: {printable(exc.message)}"
+    live = live_headers(sources, {t.name: t for t in tensors})
+    converted = [s for s in sources.values() if not s.as_stored]
+    if not converted:
+        return tensors, saved, ""
+    renamed = {s.whole: s.name for s in converted if s.whole is not None}
+    saved = attrs.evolve(saved, buffers=frozenset(renamed.get(n, n) for n in saved.buffers),
+                         linear_weights=frozenset(renamed.get(n, n) for n in saved.linear_weights))
+    return live, saved, (f"layers:   as transformers loads them: {count_of(len(tensors), 'tensor')} stored, "
+                         f"{count_of(len(live), 'tensor')} live ({count_of(len(converted), 'tensor')} renamed or "
+                         "fused at load)")
+
+
 def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> Source:
     from offload.model.checkpoint import checkpoint_extents
 
@@ -187,6 +225,10 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
     tensors: Sequence[TensorHeader] = tuple(checkpoint_extents(name).tensors.values())
     result = spec_from_tensors(tensors)
     questions = _questions(result)
+    apart = _stored_apart(result)
+    if apart:
+        questions.append(f"how transformers makes the live layers of the {count_of(len(apart), 'tensor')} stored "
+                         f"one per module of a list ({printable(apart[0])}, ...)")
     if quantization == INT8:
         questions.append("which weights are nn.Linear ones, for --quantization int8")
     details: list[str] = []
@@ -205,6 +247,9 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
                            "parameter, persistent buffers too")
         else:
             details.append(f"class:    {saved.source} built on meta from {_CONFIG}, for {'; '.join(questions)}")
+            if apart:
+                tensors, saved, line = _live(root, tensors, saved)
+                details.extend([line] if line else [])
             if quantization == INT8:
                 tensors, quantised = _quantised(tensors, saved.linear_weights)
             result = spec_from_tensors(tensors, buffers=saved.buffers, running=saved.stacks)
@@ -241,6 +286,11 @@ def _from_config(name: str, root: Path, *, counted: str, quantization: str | Non
         raise UserError(f"offload plan: {printable(name)} holds no {SHARD_SUFFIX} files, and its {_CONFIG} cannot be "
                         f"planned from: {exc.message}") from None
     tensors: Sequence[TensorHeader] = saved.tensors
+    try:
+        apart = _stored_apart(spec_from_tensors(tensors))
+    except CheckpointError:
+        apart = []  # said below
+    tensors, saved, live = _live(root, tensors, saved) if apart else (tensors, saved, "")
     quantised = ""
     if int8:
         tensors, quantised = _quantised(tensors, saved.linear_weights)
@@ -254,6 +304,7 @@ def _from_config(name: str, root: Path, *, counted: str, quantization: str | Non
         f"{_CONFIG} names none; --dtype to choose"
     details = [f"weights:  no weights were read: {saved.source} built on meta from {printable(str(root / _CONFIG))}, "
                f"in {saved.dtype} ({how}), its tensors as save_pretrained writes them", *_stack_lines(result, counted)]
+    details.extend([live] if live else [])
     if quantised:
         details.append(quantised)
     if result.buffers:

@@ -271,18 +271,14 @@ def spill_runs(source: LiveSource, itemsize: int) -> tuple[tuple[str, int], ...]
     return tuple(runs)
 
 
-def live_headers(model: nn.Module, tensors: Mapping[str, TensorHeader]) -> tuple[TensorHeader, ...]:
-    """The checkpoint's tensors as the live model holds them (`live_sources`): a stored one
-    under its own name as it is, any other under its live name, shape and the dtype of
-    its first stored tensor, laid end to end (``begin``/``end`` are not file offsets);
-    what gives no live tensor is left out. For planning the live layers.
-
-    Raises:
-        CheckpointError: as `live_sources`.
-    """
+def live_headers(sources: Mapping[str, LiveSource], tensors: Mapping[str, TensorHeader]) -> tuple[TensorHeader, ...]:
+    """The checkpoint's tensors (`tensors`) as the live model holds them (its `live_sources`):
+    a stored one under its own name as it is, any other under its live name and shape, in
+    the dtype of its first stored tensor, laid end to end (``begin``/``end`` are not file
+    offsets); what gives no live tensor is left out. For planning the live layers."""
     found: list[TensorHeader] = []
     begin = 0
-    for source in live_sources(model, tensors).values():
+    for source in sources.values():
         if source.as_stored:
             found.append(tensors[source.name])
             continue

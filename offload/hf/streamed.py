@@ -73,7 +73,7 @@ from offload.pure.spec.safetensors import TensorHeader
 from offload.pure.units import format_bytes
 from offload.runtime.diskio import BLOCK_BYTES, DiskReader
 
-__all__ = ["load_streamed", "params_on_meta"]
+__all__ = ["build_on_meta", "load_streamed", "params_on_meta"]
 
 log = logger("offload.load")
 
@@ -167,6 +167,16 @@ def _build(model_class: Any, root: Path, dtype: torch.dtype | None, library: str
                               value=shown) from exc
     model.eval()
     return model
+
+
+def build_on_meta(model_class: Any, root: Path) -> nn.Module:
+    """The transformers `model_class` from `root`'s config as a streamed load builds it
+    (`_build`: parameters on meta, buffers real), to describe the live model unloaded.
+
+    Raises:
+        CheckpointError: transformers could not build it (naming `root` and the class).
+    """
+    return _build(model_class, root, None, "transformers", ())
 
 
 def _build_transformers(model_class: Any, root: Path, dtype: torch.dtype | None) -> nn.Module:
