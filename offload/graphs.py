@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from offload.errors import ExecutionError
 from offload.logs import logger
 from offload.protocols import Offloader
 
@@ -85,9 +86,17 @@ def capture_forward(
         The graph and the output of the captured forward (rewritten by each replay).
 
     Raises:
-        ExecutionError: the offloader refuses the capture (e.g. weights in pageable memory);
-            the model stays usable eagerly.
+        ExecutionError: the offloader refuses the capture (e.g. weights in pageable memory;
+            expert caches, whose copies depend on the routing, Note [expert cache]); the
+            model stays usable eagerly.
     """
+    experts = offloader.plan.experts if offloader is not None else ()
+    if experts:
+        first = experts[0].group
+        raise ExecutionError(f"layer {first.layer} {first.module} (and {len(experts) - 1} more experts modules) copy "
+                             "their experts as the routing asks, which a CUDA graph cannot capture: offload with "
+                             "OffloadConfig(expert_cache=False) to capture the model", name=first.module,
+                             value=first.layer)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from offload.errors import PlanError
+from offload.model.experts import find_experts
 from offload.model.wrappers import expand_wrappers, inner_names, is_wrapper
+from offload.pure.spec.experts import ExpertGroup
 from offload.pure.spec.values import (
     LayerSpec,
     ModelSpec,
@@ -278,7 +280,8 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
         of its names (with equal ``storage_key``). Sizes are in elements, ``nbytes`` in
         bytes. A quantised weight (a wrapper tensor subclass) is listed as its inner
         tensors, named and ordered as the layer holds them while offloaded
-        (`offload.model.wrappers`).
+        (`offload.model.wrappers`). `ModelSpec.experts` lists the experts modules of
+        its mixture-of-experts layers, found by shape (`offload.model.experts`).
 
     Raises:
         PlanError: `layers` is not iterable (e.g. a single layer), an
@@ -295,6 +298,7 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
             value=given,
         )
     specs: list[LayerSpec] = []
+    groups: list[ExpertGroup] = []
     memo: _Memo = {}
     for index, item in enumerate(given):
         layer: object = item
@@ -311,7 +315,8 @@ def describe_layers(layers: Iterable[nn.Module]) -> ModelSpec:
         # Built without checking again: indices count from 0 here, and the names of one
         # module's named_parameters() are unique.
         specs.append(trusted_layer_spec(index, type(layer).__name__, params))
-    return trusted_model_spec(tuple(specs))
+        groups.extend(find_experts(index, layer, specs[-1]))
+    return trusted_model_spec(tuple(specs), (), tuple(groups))
 
 
 def describe_stacks(stacks: Sequence[Iterable[nn.Module]]) -> ModelSpec:
@@ -340,4 +345,4 @@ def describe_stacks(stacks: Sequence[Iterable[nn.Module]]) -> ModelSpec:
     spec = describe_layers(layers)
     if len(given) == 1:
         return spec
-    return trusted_model_spec(spec.layers, tuple(len(stack) for stack in given))
+    return trusted_model_spec(spec.layers, tuple(len(stack) for stack in given), spec.experts)

@@ -87,7 +87,11 @@ class LiveCheck:
         written_in_slots: prefetched parameters, as (layer, name), whose static slot holds
             other values than their host copy while it holds their layer: written in
             place through an alias of the slot (``param.data.copy_()``), which the next
-            copy into the slot loses (give new weights with ``load_weights``).
+            copy into the slot loses (give new weights with ``load_weights``). An experts
+            module's parameters are not compared: their slots hold only the experts routed
+            last (Note [expert cache]).
+        expert_residents: each device expert cache's residents, as (layer, module,
+            the experts in its slots, sorted); their slots count in `device_bytes_held`.
     """
 
     params: tuple[ParamLocation, ...]
@@ -96,6 +100,7 @@ class LiveCheck:
     disk_params: tuple[tuple[int, str], ...] = ()
     files: tuple[FileCheck, ...] = ()
     written_in_slots: tuple[tuple[int, str], ...] = ()
+    expert_residents: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     @property
     def differences(self) -> tuple[ParamLocation, ...]:

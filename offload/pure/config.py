@@ -9,6 +9,7 @@ import attrs
 from offload.errors import ConfigError
 from offload.pure._checks import int_at_least, is_bool, one_of
 from offload.pure.env.numa import NumaRequest, numa_request
+from offload.pure.experts.values import RoutingProfile
 
 __all__ = ["BackendName", "HostCheck", "LayerBlocks", "OffloadConfig", "segment_matches"]
 
@@ -100,6 +101,17 @@ class OffloadConfig:
             points at the block; the allocator may keep the freed memory). "never": one
             host copy per storage and one copy per parameter. Needs a runtime that makes
             blocks (`offload.protocols.HostBlocks`: `CudaRuntime`, `CpuRuntime`).
+        expert_cache: prefetch: the experts of each offloaded mixture-of-experts layer
+            (`ModelSpec.experts`) are copied expert by expert as the routing asks, with a
+            device cache of `expert_slots` experts per layer (`offload.pure.experts`);
+            False: its experts are streamed with the rest of the layer, whole.
+        expert_slots: the device slots (C, in experts) of each expert cache: 1 to the
+            layer's expert count; None: chosen by the plan
+            (`offload.pure.experts.size.default_slots`, or from a device budget by `fit`).
+        routing_profile: how often each expert was routed (`RoutingProfile`, recorded by
+            `offload.executors.experts.record_routing` or read from JSON): each cache
+            holds its hottest experts in its slots for good (up to half of them), and the
+            plan refuses a profile of another model; None: no expert held.
 
     Raises:
         ConfigError: at construction, for a bad value or combination, naming it.
@@ -115,6 +127,10 @@ class OffloadConfig:
     numa_node: NumaRequest = attrs.field(default="auto", validator=numa_request(ConfigError))
     host_check: HostCheck = attrs.field(default="refuse", validator=one_of(_HOST_CHECKS, ConfigError))
     layer_blocks: LayerBlocks = attrs.field(default="auto", validator=one_of(_LAYER_BLOCKS, ConfigError))
+    expert_cache: bool = attrs.field(default=True, validator=is_bool(ConfigError))
+    expert_slots: int | None = attrs.field(default=None, validator=int_at_least(1, ConfigError, optional=True))
+    routing_profile: RoutingProfile | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(RoutingProfile)))
 
     def __attrs_post_init__(self) -> None:
         if self.group_size > 0 and self.num_in_group > self.group_size:

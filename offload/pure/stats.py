@@ -4,7 +4,34 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["OffloadStats", "render_stats", "render_stats_line"]
+__all__ = ["ExpertCounts", "OffloadStats", "render_stats", "render_stats_line"]
+
+
+@attrs.frozen(kw_only=True)
+class ExpertCounts:
+    """The counters of one device expert cache (Note [expert cache]).
+
+    Attributes:
+        layer: its layer's index.
+        module: its experts module's path in the layer.
+        hits: routed experts found in a device slot.
+        misses: routed experts copied from host memory.
+        evictions: residents a miss took the slot of.
+        bytes_copied: bytes the misses copied from host memory: misses x the expert's bytes.
+    """
+
+    layer: int
+    module: str
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_copied: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """hits / (hits + misses); None before any routed expert."""
+        routed = self.hits + self.misses
+        return self.hits / routed if routed else None
 
 
 @attrs.frozen(kw_only=True)
@@ -15,7 +42,8 @@ class OffloadStats:
         params_offloaded: parameters currently held in host memory.
         params_dropped: planned parameters that post-processing deleted.
         host_bytes: host memory held for weights, in bytes.
-        device_buffer_bytes: device memory held in static buffers, in bytes.
+        device_buffer_bytes: device memory held in static buffers (expert caches
+            included), in bytes.
         copies_issued: host-to-device copies issued (one per parameter and prefetch).
         bytes_copied: bytes those copies moved.
         wait_seconds: time the compute stream waited for copies, in seconds; None when
@@ -39,6 +67,8 @@ class OffloadStats:
             keep ahead of the copies).
         disk_misses: copies whose reads had not been started ahead (layers out of order,
             a realignment): read when the copy needed them.
+        experts: each device expert cache's counters (`ExpertCounts`); their copies are
+            counted in `copies_issued` and `bytes_copied` too.
     """
 
     params_offloaded: int = 0
@@ -58,6 +88,7 @@ class OffloadStats:
     disk_read_seconds: float = 0.0
     disk_wait_seconds: float = 0.0
     disk_misses: int = 0
+    experts: tuple[ExpertCounts, ...] = ()
 
     @property
     def disk_gbps(self) -> float | None:
@@ -133,6 +164,15 @@ def render_stats(stats: OffloadStats, *, link_gbps: float | None = None) -> str:
             ("copies waited for disk", _ms(stats.disk_wait_seconds)
              + (f" ({stats.disk_misses} reads not started ahead)" if stats.disk_misses else "")),
         ]
+    if stats.experts:
+        hits = sum(c.hits for c in stats.experts)
+        misses = sum(c.misses for c in stats.experts)
+        rows += [
+            ("expert caches", f"{len(stats.experts)}"),
+            ("expert hits", f"{hits} of {hits + misses}" + (f" ({hits / (hits + misses):.1%})" if hits + misses else "")),
+            ("expert evictions", f"{sum(c.evictions for c in stats.experts)}"),
+            ("experts copied", _gib(sum(c.bytes_copied for c in stats.experts))),
+        ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -153,4 +193,8 @@ def render_stats_line(stats: OffloadStats) -> str:
         disk_gbps = stats.disk_gbps
         parts.append("disk not read yet" if disk_gbps is None else f"disk read at {disk_gbps:.2f} GB/s, "
                      f"{stats.disk_wait_seconds * 1e3:.3f} ms waited")
+    if stats.experts:
+        hits = sum(c.hits for c in stats.experts)
+        routed = hits + sum(c.misses for c in stats.experts)
+        parts.append(f"expert hits {hits / routed:.1%}" if routed else "no expert routed yet")
     return "offload: " + ", ".join(parts)

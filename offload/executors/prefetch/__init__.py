@@ -117,6 +117,27 @@ Note [disk tier]
     live check); they are not written in place (new weights go to the spill file: Note
     [new weights]). CUDA graph capture is refused: the reads between the copies are not
     part of a graph.
+
+Note [expert cache]
+    An experts module's parameters are prefetched parameters (`OffloadPlan.experts`):
+    they point at their slot buffers, E rows each, like every prefetched parameter, but
+    the copy queue never copies them. At each call of the module the routed experts are
+    read from its inputs (the routing indices, or the blocks the router's scores left
+    non-zero: `Routing`), and the plan's policy (`offload.pure.experts.policy.admit`)
+    says for each whether it is a hit (in a device slot of the cache) or a miss. Each
+    miss is copied from its host copy into its row of the slot buffer on the copy stream,
+    after an event recorded on the compute stream (whatever read the slot before has
+    run), contiguous misses merged into one copy, and the compute stream waits for the
+    last; each hit is copied from its cache slot into its row on the compute stream; a
+    miss the policy keeps is copied from its row into its slot. The module then runs
+    unchanged, with its own indices, over the slot buffers: every routed row holds its
+    expert's weights, and the rows it does not read hold finite values (the buffers are
+    zeroed at post_init and only ever receive weights), so its output is bit for bit the
+    resident module's, for every experts implementation (each expert's rows are read in
+    the module's own order). Bytes copied from the host per call: misses x the expert's
+    bytes, exactly. New weights reset every cache (its slots hold old values). A CUDA
+    graph capture is refused (the copies depend on the data), and torch.compile breaks
+    its graph at the module's call.
 """
 
 from offload.executors.prefetch.offloader import PrefetchOffloader

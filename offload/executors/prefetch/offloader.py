@@ -32,6 +32,7 @@ from offload.executors.common import (
     unguard_layers,
     unpatch_forward,
 )
+from offload.executors.experts import ExpertCaches
 from offload.executors.lifecycle import LEAVES, Lifecycle, require
 from offload.executors.live import inspect_params
 from offload.executors.placement.find import describe_moves
@@ -202,6 +203,7 @@ class PrefetchOffloader(NewWeights):
         self._buffers.clear()
         if self._disk is not None:
             self._disk.stop()
+        self._experts.remove()
         self._copies = []
         self._bound = []
         self._bound_names = []
@@ -241,6 +243,7 @@ class PrefetchOffloader(NewWeights):
         self._expected = list(self._cycle_first)
         self._next_after = plan.schedule.issued_after
         copies: list[list[tuple[torch.Tensor, torch.Tensor, Ref]]] = [[] for _ in plan.offloaded_layers]
+        self._experts = experts = ExpertCaches(plan.experts, self._rt)
         slot_params: dict[int, list[nn.Parameter]] = {}
         bound: list[tuple[ParamPlan, nn.Parameter]] = []
         for p in plan.offloaded_params:
@@ -263,6 +266,8 @@ class PrefetchOffloader(NewWeights):
             buffer = self._buffers[p.buffer_key][p.slot]
             param.data = buffer
             owner = p.tied_to or ref
+            if experts.take(ref, buffer):
+                continue  # copied expert by expert, not by the queue (Note [expert cache])
             position = position_of[p.layer]
             # A disk position's copies read its staging buffer, not host copies (Note [disk tier]).
             source = disk.source(position, owner) if disk is not None and disk.on_disk(position) else \
@@ -274,6 +279,7 @@ class PrefetchOffloader(NewWeights):
         self._copy_bytes = [sum((buffer if disk is not None and disk.on_disk(i) else source).untyped_storage().nbytes()
                                 for buffer, source, _ in layer) for i, layer in enumerate(copies)]
         self._copy, self._copies = prepare_copies(self._rt, [merge_copies(layer, arenas, self._host) for layer in copies])
+        experts.install(self._layers, self._host_of)
         for position in plan.schedule.initial:
             self._issue(position, self._record(), in_capture=False)
 
@@ -387,13 +393,4 @@ class PrefetchOffloader(NewWeights):
                                files=disk.files_now() if disk else ())
         if self._state is not Lifecycle.READY:
             return found
-        return attrs.evolve(found, written_in_slots=self._slots_written())
-
-    def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
-        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
-        steps and/or every `seconds` seconds (checked at each step); no arguments: stop.
-
-        Raises:
-            ExecutionError: `steps` or `seconds` is not a positive number.
-        """
-        self._step_log.configure(steps, seconds)
+        return self._experts.checked(attrs.evolve(found, written_in_slots=self._slots_written()))

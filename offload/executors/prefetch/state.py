@@ -20,6 +20,7 @@ from torch import nn
 from offload.errors import PlanError
 from offload.executors.bound import Bound, Check
 from offload.executors.common import Patched, Ref, host_of, raise_as_execution_error
+from offload.executors.experts import ExpertCaches
 from offload.executors.hoststore import HostSource, HostStore
 from offload.executors.lifecycle import Lifecycle
 from offload.executors.placement.restore import Restorer
@@ -93,6 +94,9 @@ class PrefetchState:
         self._copy_bytes: list[int] = []  # position -> bytes its copies move (post_init)
         self._slot_params: dict[int, tuple[nn.Parameter, ...]] = {}  # layer -> its slot parameters (post_init)
         self._buffers: Buffers = {}
+        # The device expert caches (Note [expert cache]; installed at post_init, from the
+        # plan as post_init revised it).
+        self._experts = ExpertCaches((), runtime)
         # Per position, the copy in flight for its next run (Note [in flight]). A position
         # in `_landed` has its weights in its slot with nothing to wait for (Note [capture
         # boundary]).
@@ -141,14 +145,16 @@ class PrefetchState:
         active = self._state in (Lifecycle.WRAPPED, Lifecycle.READY)
         disk = self._disk
         read, read_seconds, disk_wait, misses = disk.reads() if disk is not None else (0, 0.0, 0.0, 0)
+        expert_copies, expert_bytes = self._experts.copied()
         return OffloadStats(
             params_offloaded=len(self._plan.offloaded_params) if active else 0,
             params_dropped=self._dropped,
             host_bytes=self._host.nbytes + (disk.staging_bytes if disk is not None else 0),
             device_buffer_bytes=sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                                     for slots in self._buffers.values() for t in slots.values()}.values()),
-            copies_issued=self._copies_issued,
-            bytes_copied=self._bytes_copied,
+                                     for slots in self._buffers.values() for t in slots.values()}.values())
+            + self._experts.slot_bytes(),
+            copies_issued=self._copies_issued + expert_copies,
+            bytes_copied=self._bytes_copied + expert_bytes,
             wait_seconds=self._rt.waited_seconds(),
             pin_fallbacks=self._host.fallbacks + (disk.fallbacks if disk is not None else 0),
             realignments=self._realignments,
@@ -160,4 +166,14 @@ class PrefetchState:
             disk_read_seconds=read_seconds,
             disk_wait_seconds=disk_wait,
             disk_misses=misses,
+            experts=self._experts.counts(),
         )
+
+    def log_stats_every(self, steps: int | None = None, seconds: float | None = None) -> None:
+        """Log one line of `stats()` (logger ``offload.stats``, INFO) every `steps` forward
+        steps and/or every `seconds` seconds (checked at each step); no arguments: stop.
+
+        Raises:
+            ExecutionError: `steps` or `seconds` is not a positive number.
+        """
+        self._step_log.configure(steps, seconds)

@@ -65,7 +65,10 @@ class NewWeights(ForwardPath):
         for position in sorted(self._pending):
             if disk is not None and disk.on_disk(position):
                 continue
+            layer = self._plan.offloaded_layers[position]
             for (_, _, param, pointer, _), name in zip(self._bound[position], self._bound_names[position], strict=True):
+                if (layer, name) in self._experts.refs:
+                    continue  # its slot holds only the experts routed last (Note [expert cache])
                 entry = self._convert_from.get(id(param))
                 if entry is None or param.data_ptr() != pointer:
                     continue  # replaced or moved: the bound check refuses it at the next forward
@@ -227,6 +230,8 @@ class NewWeights(ForwardPath):
         for cycle in {self._cycle_of[position] for position in changed}:
             self._reload_due.add(cycle)
             self._expected[cycle] = -1
+        if changed:
+            self._experts.reset()  # their slots hold the old weights (Note [expert cache])
         if failed is not None:
             raise ExecutionError(f"load_state_dict: the new values of {len(written)} disk-tier weights could not be "
                                  f"written to the spill file, they keep their old ones: {failed}", name=failed.name,
@@ -239,3 +244,4 @@ class NewWeights(ForwardPath):
             return
         self._accept_versions()
         self._refill()
+        self._experts.reset()  # their slots hold the old weights (Note [expert cache])

@@ -85,6 +85,6 @@ def check_slots(groups: tuple[ExpertGroup, ...], slots: int) -> None:
                         "expert", name="slots", value=slots)
     for group in groups:
         if slots > group.num_experts:
-            raise PlanError(f"expert cache slots of {slots} is more than the {group.num_experts} experts of "
+            raise PlanError(f"expert_slots (C) {slots} is more than the {group.num_experts} experts of "
                             f"layer {group.layer} ({group.module}): C must be 1 to {group.num_experts}",
                             name="slots", value=slots)

@@ -87,7 +87,7 @@ def _counts(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 @attrs.frozen(kw_only=True)
 class RoutingProfile:
     """How often each expert was routed, per experts module: recorded from forwards
-    (`offload.executors.experts.record_profile`) or read from JSON.
+    (`offload.executors.experts.record_routing`) or read from JSON.
 
     Attributes:
         counts: one ``(layer, module, counts)`` per experts module, ``counts[j]`` the

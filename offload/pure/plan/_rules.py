@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from offload.errors import PlanError
+from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan.layout import BufferKey
 from offload.pure.plan.schedule import PrefetchSchedule, check_schedule
 from offload.pure.plan.values import Backend, BufferPlan, ParamPlan, Placement
@@ -48,6 +49,9 @@ class PlanFields(Protocol):
     @property
     def num_layers(self) -> int: ...
 
+    @property
+    def experts(self) -> tuple[ExpertCachePlan, ...]: ...
+
 
 def check_plan(plan: PlanFields) -> None:
     """Check `plan` against every rule; `OffloadPlan` calls it on construction.
@@ -65,15 +69,37 @@ def check_plan(plan: PlanFields) -> None:
         )
     check_schedule(plan.schedule)
     _check_offloaded_layers(plan.offloaded_layers, plan.num_layers)
-    if plan.device_bytes_buffers != sum(b.nbytes for b in plan.buffers):
+    if plan.device_bytes_buffers != sum(b.nbytes for b in plan.buffers) + sum(c.device_bytes for c in plan.experts):
         raise PlanError(
-            f"device_bytes_buffers {plan.device_bytes_buffers} is not the sum of the buffers",
+            f"device_bytes_buffers {plan.device_bytes_buffers} is not the sum of the buffers and expert caches",
             name="device_bytes_buffers",
             value=plan.device_bytes_buffers,
         )
     position_of = _check_param_order(plan.params, plan.num_layers, _PLACEMENTS_OF[plan.backend])
     _check_ties(plan.params, position_of)
     _check_prefetch(plan)
+    _check_experts(plan)
+
+
+def _check_experts(plan: PlanFields) -> None:
+    """Each expert cache serves one experts module of an offloaded layer, once, whose
+    parameters the plan prefetches with E rows each (`ExpertGroup`)."""
+    seen: set[tuple[int, str]] = set()
+    offloaded = set(plan.offloaded_layers)
+    by_ref = {(p.layer, p.name): p for p in plan.params} if plan.experts else {}
+    for j, cache in enumerate(plan.experts):
+        group = cache.group
+        key = (group.layer, group.module)
+        if key in seen or group.layer not in offloaded:
+            raise PlanError(f"experts[{j}] ({group.layer}:{group.module}) is given twice or its layer is not "
+                            "offloaded by prefetch", name=f"experts[{j}]", value=key)
+        seen.add(key)
+        for name in group.params:
+            p = by_ref.get((group.layer, name))
+            if (p is None or p.placement is not Placement.PREFETCH or p.tied_to is not None or not p.shape
+                    or p.shape[0] != group.num_experts):
+                raise PlanError(f"experts[{j}]: parameter {group.layer}:{name} is not prefetched with "
+                                f"{group.num_experts} rows", name=f"experts[{j}].params", value=name)
 
 
 #: The placements each backend runs; an executor refuses, or silently ignores, others.

@@ -21,6 +21,7 @@ from offload.pure.decide.selection import (
 )
 from offload.pure.decide.uva import decide_uva
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.plan.experts import plan_expert_caches
 from offload.pure.plan.layout import layer_buffers
 from offload.pure.plan.plan import (
     Backend,
@@ -148,7 +149,8 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
 
     buffers = layer_buffers(prefetched)
     offloaded_bytes = selection.offloaded_bytes
-    device_bytes_buffers = sum(b.nbytes for b in buffers)
+    experts = plan_expert_caches(spec, config, params)
+    device_bytes_buffers = sum(b.nbytes for b in buffers) + sum(c.device_bytes for c in experts)
     compute_device = "cuda" if platform.has_cuda else "cpu"
     admission = assess_host_memory(host_demand(
         params, compute_device=compute_device, host_bytes=offloaded_bytes, buffer_bytes=device_bytes_buffers,
@@ -190,6 +192,7 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         host_numa=host_numa,
         host_admission=admission,
         stacks=spec.stacks,
+        experts=experts,
     )
 
 

@@ -22,6 +22,7 @@ from offload.pure.decide.moves import Move, decide_move, where_kind
 from offload.pure.decide.numa import HostNuma
 from offload.pure.decide.pinning import PinDecision
 from offload.pure.decide.uva import UvaDecision
+from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan._rules import check_plan
 from offload.pure.plan.schedule import PrefetchSchedule
 from offload.pure.plan.values import (
@@ -74,7 +75,8 @@ class OffloadPlan:
         offloaded_bytes: bytes that leave the compute device's weights (each storage once).
         device_bytes_freed: device memory released, in bytes (0 without an accelerator,
             where the compute device is the CPU).
-        device_bytes_buffers: device memory the static buffers take, in bytes.
+        device_bytes_buffers: device memory the static buffers take, in bytes (expert
+            caches included).
         device_bytes_resident: bytes of weights that stay on the compute device.
         host_bytes: host memory the host copies take, in bytes (exact size).
         warnings: what the user should know.
@@ -93,6 +95,13 @@ class OffloadPlan:
         stacks: layers per stack, as `ModelSpec.stacks` (the stacks' layers one after the
             other, in the order they run), for per-stack workloads (`Workload.stack_tokens`);
             empty: one stack of every layer (and in a plan read from JSON written before it
+            existed).
+        experts: prefetch: the device expert cache of each offloaded mixture-of-experts
+            layer (`offload.pure.experts.values.ExpertCachePlan`): its experts are copied
+            expert by expert as the routing asks (Note [expert cache] in
+            `offload.executors.experts`), not with the layer's other copies; their device
+            bytes are part of `device_bytes_buffers`. Empty: no MoE layer, or
+            ``config.expert_cache`` off (and in a plan read from JSON written before it
             existed).
     """
 
@@ -118,6 +127,7 @@ class OffloadPlan:
     host_admission: HostAdmission = attrs.field(default=NOT_CHECKED,
                                                 validator=attrs.validators.instance_of(HostAdmission))
     stacks: tuple[int, ...] = attrs.field(default=(), validator=tuple_of_ints(1, PlanError))
+    experts: tuple[ExpertCachePlan, ...] = attrs.field(default=(), validator=tuple_of(ExpertCachePlan, PlanError))
 
     def __attrs_post_init__(self) -> None:
         check_plan(self)
@@ -215,6 +225,7 @@ _PLAN_SETTERS = slot_setters(OffloadPlan, (
     "config", "backend", "backend_reason", "pin", "uva", "params", "offloaded_layers", "buffers", "schedule",
     "offloaded_bytes", "device_bytes_freed", "device_bytes_buffers", "device_bytes_resident", "host_bytes",
     "warnings", "env_fingerprint", "compute_device", "num_layers", "host_numa", "host_admission", "stacks",
+    "experts",
 ))
 
 
@@ -241,6 +252,7 @@ def trusted_offload_plan(
     host_numa: HostNuma,
     host_admission: HostAdmission = NOT_CHECKED,
     stacks: tuple[int, ...] = (),
+    experts: tuple[ExpertCachePlan, ...] = (),
 ) -> OffloadPlan:
     """An `OffloadPlan` equal to ``OffloadPlan(config=config, ...)``, built without the
     checks its constructor runs (field validators and `offload.pure.plan._rules`).
@@ -251,7 +263,7 @@ def trusted_offload_plan(
     """
     values = (config, backend, backend_reason, pin, uva, params, offloaded_layers, buffers, schedule,
               offloaded_bytes, device_bytes_freed, device_bytes_buffers, device_bytes_resident, host_bytes,
-              warnings, env_fingerprint, compute_device, num_layers, host_numa, host_admission, stacks)
+              warnings, env_fingerprint, compute_device, num_layers, host_numa, host_admission, stacks, experts)
     plan = _NEW(OffloadPlan)
     for set_field, value in zip(_PLAN_SETTERS, values, strict=True):
         set_field(plan, value)

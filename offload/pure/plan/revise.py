@@ -10,10 +10,11 @@ and `offloader.plan` keeps telling the truth.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan.layout import prefetch_buffers
 from offload.pure.plan.plan import OffloadPlan, ParamPlan, Placement, PlanWarning, WarningCode
 from offload.pure.plan.schedule import schedule_prefetch
@@ -102,6 +103,7 @@ def revise_plan(plan: OffloadPlan, actual: Mapping[Ref, ParamSpec | None]) -> Of
             for p in kept
         ]
     buffers = prefetch_buffers(kept)
+    experts = _caches_kept(plan, kept)
     offloaded_bytes = sum(p.nbytes for p in kept if p.offloaded and p.tied_to is None)
     warning = PlanWarning(
         code=WarningCode.PLAN_REVISED,
@@ -115,8 +117,9 @@ def revise_plan(plan: OffloadPlan, actual: Mapping[Ref, ParamSpec | None]) -> Of
         buffers=buffers,
         offloaded_bytes=offloaded_bytes,
         device_bytes_freed=offloaded_bytes if plan.compute_device != "cpu" else 0,
-        device_bytes_buffers=sum(b.nbytes for b in buffers),
+        device_bytes_buffers=sum(b.nbytes for b in buffers) + sum(c.device_bytes for c in experts),
         host_bytes=offloaded_bytes,
+        experts=experts,
         warnings=(*plan.warnings, warning),
     )
 
@@ -141,3 +144,19 @@ def demote_to_on_demand(plan: OffloadPlan, refs: Collection[Ref], reason: str) -
         message=f"{reason}: {', '.join(changed)} copied to the device on demand instead of read in place",
     )
     return attrs.evolve(plan, params=tuple(demoted), warnings=(*plan.warnings, warning))
+
+
+def _caches_kept(plan: OffloadPlan, kept: Sequence[ParamPlan]) -> tuple[ExpertCachePlan, ...]:
+    """The expert caches whose parameters are all still prefetched as planned, E rows each
+    (a replaced or deleted expert weight leaves its module streamed whole)."""
+    if not plan.experts:
+        return ()
+    by_ref = {(p.layer, p.name): p for p in kept}
+    out = []
+    for cache in plan.experts:
+        group = cache.group
+        entries = [by_ref.get((group.layer, name)) for name in group.params]
+        if all(p is not None and p.placement is Placement.PREFETCH and p.tied_to is None and p.shape
+               and p.shape[0] == group.num_experts for p in entries):
+            out.append(cache)
+    return tuple(out)

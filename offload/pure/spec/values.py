@@ -17,6 +17,7 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, is_int, is_str, non_empty_str, tuple_of, tuple_of_ints
 from offload.pure._slots import slot_setters
+from offload.pure.spec.experts import ExpertGroup, check_groups
 
 __all__ = [
     "COMPUTE_DEVICE",
@@ -308,10 +309,18 @@ class ModelSpec:
             stacks' layers lie one after the other in `layers`, in this order, and each
             stack is scheduled as a cycle of its own (`offload.pure.plan.schedule`).
             Empty: one stack of every layer.
+        experts: the experts modules of its mixture-of-experts layers, found by shape
+            (`offload.model.experts`): each as E experts of B bytes, among its layer's
+            parameters; the layer's other parameters are its non-expert part. Empty: no
+            MoE layer (or none found).
     """
 
     layers: tuple[LayerSpec, ...] = attrs.field(validator=_layers)
     stacks: tuple[int, ...] = attrs.field(default=(), validator=_stacks)
+    experts: tuple[ExpertGroup, ...] = attrs.field(default=(), validator=tuple_of(ExpertGroup, PlanError))
+
+    def __attrs_post_init__(self) -> None:
+        check_groups(self.experts, self.layers)
 
     @property
     def stack_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -330,14 +339,17 @@ class ModelSpec:
         return _unique_bytes(tuple(p for layer in self.layers for p in layer.params))
 
 
-_SET_LAYERS, _SET_STACKS = slot_setters(ModelSpec, ("layers", "stacks"))
+_SET_LAYERS, _SET_STACKS, _SET_EXPERTS = slot_setters(ModelSpec, ("layers", "stacks", "experts"))
 
 
-def trusted_model_spec(layers: tuple[LayerSpec, ...], stacks: tuple[int, ...] = ()) -> ModelSpec:
-    """A `ModelSpec` equal to ``ModelSpec(layers=layers, stacks=stacks)``, built without
-    checking it: for the shell, which numbers `layers` 0, 1, 2, ... itself and counts the
-    stacks from the layers it was given. See `trusted_param_spec`."""
+def trusted_model_spec(layers: tuple[LayerSpec, ...], stacks: tuple[int, ...] = (),
+                       experts: tuple[ExpertGroup, ...] = ()) -> ModelSpec:
+    """A `ModelSpec` equal to ``ModelSpec(layers=layers, stacks=stacks, experts=experts)``,
+    built without checking it: for the shell, which numbers `layers` 0, 1, 2, ... itself,
+    counts the stacks from the layers it was given and finds the experts groups among the
+    parameters it described. See `trusted_param_spec`."""
     model = _NEW(ModelSpec)
     _SET_LAYERS(model, layers)
     _SET_STACKS(model, stacks)
+    _SET_EXPERTS(model, experts)
     return model

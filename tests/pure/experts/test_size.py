@@ -88,7 +88,7 @@ def test_default_slots(experts: int, slots: int) -> None:
     [
         (0, "must be at least 1, got 0: a cache of no slot holds no expert"),
         (-3, "must be at least 1, got -3"),
-        (65, "expert cache slots of 65 is more than the 64 experts of layer 2 (mlp.experts): C must be 1 to 64"),
+        (65, "expert_slots (C) 65 is more than the 64 experts of layer 2 (mlp.experts): C must be 1 to 64"),
         (1.0, "must be an integer"),
         (True, "must be an integer"),
     ],

@@ -1,0 +1,237 @@
+"""`ExpertCaches`: the expert caches of a prefetch offloader (Note [expert cache]): one
+`_Cache` per experts module, its forward patched to serve the routed experts before the
+module runs."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, final
+
+import attrs
+import torch
+from torch import nn
+
+from offload.errors import ExecutionError
+from offload.executors.common import Ref, patch_forward, unpatch_forward
+from offload.logs import logger
+from offload.protocols import Event, Runtime
+from offload.pure.check import LiveCheck
+from offload.pure.experts.policy import CacheState, admit, initial_state
+from offload.pure.experts.values import ExpertCachePlan
+from offload.pure.spec.experts import Routing
+from offload.pure.stats import ExpertCounts
+
+__all__ = ["ExpertCaches"]
+
+log = logger("offload.prefetch")
+
+
+def _runs(experts: Sequence[int]) -> list[tuple[int, int]]:
+    """`experts` (sorted) as runs of consecutive indices, ``(first, stop)`` each."""
+    out: list[tuple[int, int]] = []
+    for e in experts:
+        if out and out[-1][1] == e:
+            out[-1] = (out[-1][0], e + 1)
+        else:
+            out.append((e, e + 1))
+    return out
+
+
+def _indices_argument(module: nn.Module) -> str | None:
+    """The name of the forward's second input (the routing indices), for a keyword call."""
+    try:
+        inputs = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return inputs[1] if len(inputs) > 1 else None
+
+
+@final
+class _Cache:
+    """One experts module's cache: its slot rows (``rows[i]``, the slot buffer of its i-th
+    parameter, E rows), host copies (``hosts[i]``) and cache slots (``slots[i]``, C rows)."""
+
+    def __init__(self, plan: ExpertCachePlan, rt: Runtime, rows: list[torch.Tensor], hosts: list[torch.Tensor],
+                 slots: list[torch.Tensor]) -> None:
+        self.plan = plan
+        self._rt = rt
+        self.rows = rows
+        self.hosts = hosts
+        self.slots = slots
+        self.state: CacheState = initial_state(plan)
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.copies = 0
+        self.bytes_copied = 0
+        self.row_bytes = [h[0].numel() * h.element_size() if h.shape[0] else 0 for h in hosts]
+
+    def load_held(self) -> None:
+        """Fill the held experts' slots from their host copies (post_init, new weights)."""
+        self.state = initial_state(self.plan)
+        for expert, slot in self.state.residents:
+            for host, cache in zip(self.hosts, self.slots, strict=True):
+                self._rt.wait(self._rt.copy_after(cache[slot], host[expert], self._rt.record()))
+
+    def serve(self, routed: tuple[int, ...]) -> None:
+        """Put every routed expert's weights in its rows (Note [expert cache])."""
+        access = admit(self.plan, self.state, routed)
+        self.state = access.state
+        self.hits += len(access.hits)
+        self.misses += len(access.misses)
+        self.evictions += len(access.evicted)
+        if access.misses:
+            after: Event | None = self._rt.record()
+            done: Event | None = None
+            for first, stop in _runs(sorted(e for e, _ in access.misses)):
+                for i, (row, host) in enumerate(zip(self.rows, self.hosts, strict=True)):
+                    done = self._rt.copy_after(row[first:stop], host[first:stop], after)
+                    self.copies += 1
+                    self.bytes_copied += (stop - first) * self.row_bytes[i]
+            if done is not None:
+                self._rt.wait(done)
+        for expert, slot in access.hits:
+            for row, cache in zip(self.rows, self.slots, strict=True):
+                row[expert].copy_(cache[slot])
+        for expert, kept in access.misses:
+            if kept is not None:
+                for row, cache in zip(self.rows, self.slots, strict=True):
+                    cache[kept].copy_(row[expert])
+
+    def counts(self) -> ExpertCounts:
+        return ExpertCounts(layer=self.plan.layer, module=self.plan.group.module, hits=self.hits,
+                            misses=self.misses, evictions=self.evictions, bytes_copied=self.bytes_copied)
+
+
+def _routed_by_indices(layer: int, module: str, experts: int, indices: object) -> tuple[int, ...]:
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex():
+        raise ExecutionError(f"layer {layer} {module}: the experts module was called without integer routing "
+                             f"indices (got {type(indices).__name__})", name=module, value=layer)
+    routed = tuple(int(e) for e in torch.unique(indices).tolist()) if indices.numel() else ()
+    if routed and (routed[0] < 0 or routed[-1] >= experts):
+        bad = routed[0] if routed[0] < 0 else routed[-1]
+        raise ExecutionError(f"layer {layer} {module}: routing index {bad} is outside the {experts} experts "
+                             f"(0 to {experts - 1}); nothing was read", name=module, value=bad)
+    return routed
+
+
+def _routed_by_scores(layer: int, module: str, experts: int, hidden: object) -> tuple[int, ...]:
+    if not isinstance(hidden, torch.Tensor) or hidden.numel() % experts:
+        raise ExecutionError(f"layer {layer} {module}: the experts module's input is not {experts} blocks of tokens "
+                             f"(got {getattr(hidden, 'shape', type(hidden).__name__)})", name=module, value=layer)
+    blocks = hidden.reshape(experts, -1)
+    return tuple(int(e) for e in torch.nonzero(blocks.any(dim=1)).flatten().tolist())
+
+
+@final
+class ExpertCaches:
+    """The expert caches of one offloader (Note [expert cache]).
+
+    Args:
+        plans: the plan's expert caches (`OffloadPlan.experts`).
+        rt: the runtime the copies go through.
+    """
+
+    def __init__(self, plans: Sequence[ExpertCachePlan], rt: Runtime) -> None:
+        self._plans = tuple(plans)
+        self._rt = rt
+        self._caches: list[_Cache] = []
+        self._patched: list[tuple[nn.Module, Callable[..., Any] | None]] = []
+        self.refs: frozenset[Ref] = frozenset((p.layer, name) for p in self._plans for name in p.group.params)
+        self._rows: dict[Ref, torch.Tensor] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether caches are installed."""
+        return bool(self._caches)
+
+    def take(self, ref: Ref, buffer: torch.Tensor) -> bool:
+        """Whether `ref` is an expert parameter, its slot buffer (E rows) then kept for
+        `install`: the copy queue leaves it alone (post_init)."""
+        if ref not in self.refs:
+            return False
+        self._rows[ref] = buffer
+        return True
+
+    def install(self, layers: Sequence[nn.Module], hosts: Callable[[Ref], torch.Tensor]) -> None:
+        """Zero the slot rows (`take`), allocate each cache's slots, fill the held
+        experts, patch each experts module's forward (post_init).
+
+        Args:
+            layers: the offloader's layers.
+            hosts: each expert parameter's host copy (E rows).
+        """
+        for plan in self._plans:
+            group = plan.group
+            refs = [(group.layer, name) for name in group.params]
+            buffers = [self._rows[ref] for ref in refs]
+            for buffer in buffers:
+                buffer.zero_()  # rows the module reads and no expert was copied to hold finite values
+            slots = [self._rt.device_empty((plan.slots, *b.shape[1:]), tuple(b.stride()), b.dtype) for b in buffers]
+            cache = _Cache(plan, self._rt, buffers, [hosts(ref) for ref in refs], slots)
+            cache.load_held()
+            self._caches.append(cache)
+            module = layers[group.layer].get_submodule(group.module)
+            self._patched.append((module, patch_forward(module, functools.partial(self._serving, cache, module))))
+        if self._caches:
+            log.info("expert caches on %d experts modules: %s slots", len(self._caches),
+                     ", ".join(sorted({str(c.plan.slots) for c in self._caches})))
+
+    def _serving(self, cache: _Cache, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        plan = cache.plan
+        group = plan.group
+        name = _indices_argument(module)
+        rt = self._rt
+
+        def serving_forward(*args: Any, **kwargs: Any) -> Any:
+            if rt.is_capturing():
+                raise ExecutionError(f"layer {group.layer} {group.module}: its experts are copied as the routing asks, "
+                                     "which a CUDA graph cannot capture; offload it with expert_cache=False to "
+                                     "capture it", name=group.module, value=group.layer)
+            if group.routing is Routing.INDICES:
+                indices = args[1] if len(args) > 1 else kwargs.get(name or "", None)
+                routed = _routed_by_indices(group.layer, group.module, group.num_experts, indices)
+            else:
+                hidden = args[0] if args else next(iter(kwargs.values()), None)
+                routed = _routed_by_scores(group.layer, group.module, group.num_experts, hidden)
+            cache.serve(routed)
+            return forward(*args, **kwargs)
+
+        # torch.compile breaks its graph here: the copies depend on the routing (Note [expert cache]).
+        disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
+        return disabled
+
+    def reset(self) -> None:
+        """New weights: every cache forgets its residents and refills its held experts."""
+        for cache in self._caches:
+            cache.load_held()
+
+    def remove(self) -> None:
+        """Unpatch the modules and let go of the caches (restore, a failed post_init)."""
+        for module, previous in reversed(self._patched):
+            unpatch_forward(module, previous)
+        self._patched = []
+        self._caches = []
+        self._rows = {}
+
+    def counts(self) -> tuple[ExpertCounts, ...]:
+        """Each cache's counters."""
+        return tuple(c.counts() for c in self._caches)
+
+    def copied(self) -> tuple[int, int]:
+        """(copies issued, bytes copied) from host copies, over all caches."""
+        return sum(c.copies for c in self._caches), sum(c.bytes_copied for c in self._caches)
+
+    def checked(self, found: LiveCheck) -> LiveCheck:
+        """`found` with each cache's residents (`LiveCheck.expert_residents`) and their
+        slots' device bytes counted in `device_bytes_held`."""
+        residents = tuple((c.plan.layer, c.plan.group.module, tuple(sorted(e for e, _ in c.state.residents)))
+                          for c in self._caches)
+        return attrs.evolve(found, expert_residents=residents,
+                            device_bytes_held=found.device_bytes_held + self.slot_bytes())
+
+    def slot_bytes(self) -> int:
+        """Device bytes of every cache's slots."""
+        return sum(t.untyped_storage().nbytes() for c in self._caches for t in c.slots)

@@ -1,0 +1,96 @@
+"""Experts modules found by shape, not by name (`find_experts`): in each layer, a module
+whose own parameters all have a leading dimension E equal to its expert count, with
+contiguous rows, and no parameters below it.
+
+Its expert count is its ``num_experts`` attribute where it has one, else the shared
+leading dimension when its forward takes the routing (``forward(hidden_states,
+top_k_index, top_k_weights)``). How it is told which experts run (`Routing`) comes from
+its forward's signature: three or more inputs, the second the routing indices
+(transformers 5's fused experts, gpt-oss); one input, the tokens laid out per expert and
+scaled by the router's scores (Llama 4).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+from torch import nn
+
+from offload.logs import logger
+from offload.pure.spec.experts import ExpertGroup, Routing
+from offload.pure.spec.values import LayerSpec, ParamSpec
+
+__all__ = ["find_experts", "routing_of"]
+
+log = logger("offload.plan")
+
+
+def routing_of(module: nn.Module) -> Routing | None:
+    """How `module`'s forward is told which experts run, read from its signature; None
+    when it takes neither form."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    inputs = [p for p in signature.parameters.values()
+              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(inputs) >= 3:
+        return Routing.INDICES
+    if len(inputs) == 1:
+        return Routing.SCORES
+    return None
+
+
+def _group(index: int, path: str, module: nn.Module, specs: Mapping[str, ParamSpec]) -> ExpertGroup | None:
+    own = list(module.named_parameters(recurse=False))
+    if not own or any(True for child in module.children() for _ in child.parameters()):
+        return None
+    if any(p.dim() < 2 for _, p in own) or all(p.dim() < 3 for _, p in own):
+        return None
+    leading = {p.shape[0] for _, p in own}
+    if len(leading) != 1:
+        return None
+    experts = leading.pop()
+    count = getattr(module, "num_experts", None)
+    routing = routing_of(module)
+    if routing is None or experts < 2:
+        return None
+    if isinstance(count, int) and not isinstance(count, bool):
+        if count != experts:
+            return None
+    elif routing is not Routing.INDICES:
+        return None  # one input and no expert count: nothing says the rows are experts
+    names = tuple(f"{path}.{name}" if path else name for name, _ in own)
+    total = 0
+    for name, (_, param) in zip(names, own, strict=True):
+        spec = specs.get(name)
+        row = param[0].numel()
+        if spec is None or param.stride(0) != row or param.shape[0] > 1 and not param[0].is_contiguous():
+            log.debug("layer %d: %s looks like experts, but %r is not %d contiguous rows; whole layer",
+                      index, path, name, experts)
+            return None
+        total += spec.nbytes
+    if total % experts:
+        return None
+    return ExpertGroup(layer=index, module=path, num_experts=experts, params=names, expert_bytes=total // experts,
+                       routing=routing)
+
+
+def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertGroup, ...]:
+    """The experts modules of one layer, as `spec` (its `LayerSpec`) names their
+    parameters; none where its parameters are not described by those names (a quantised
+    weight described as its inner tensors).
+
+    Args:
+        index: the layer's index in the model.
+        layer: the layer.
+        spec: its description (`offload.describe_layers`).
+    """
+    specs = {p.name: p for p in spec.params}
+    found: list[ExpertGroup] = []
+    for path, module in layer.named_modules():
+        group = _group(index, path, module, specs)
+        if group is not None:
+            found.append(group)
+    return tuple(found)

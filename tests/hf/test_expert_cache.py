@@ -1,0 +1,261 @@
+"""The device expert cache (Note [expert cache]) on seven small random MoE models: every
+offloaded layer's experts copied expert by expert as the routing asks, outputs bit for bit
+the resident model's in prefill and decode for each experts implementation, the bytes
+copied counted exactly, the residents shown by ``check()``, bad routing refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from offload.errors import ConfigError, ExecutionError, PlanError
+from offload.hf import offload_model
+from offload.pure.config import OffloadConfig
+from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.spec.experts import Routing
+from offload.runtime.cpu import CpuRuntime
+from tests.hf.moe_models import MOE_ARCHITECTURES, build_moe, implementations
+
+EVERY_LAYER = OffloadConfig(group_size=1, prefetch_step=2)
+CASES = [(name, impl) for name in MOE_ARCHITECTURES for impl in implementations(name)]
+
+
+def _offload(model: Any, config: OffloadConfig = EVERY_LAYER) -> Any:
+    return offload_model(model, config, env=EnvSnapshot(), runtime=CpuRuntime())
+
+
+def _decode(model: Any, batch: int, *, seed: int = 5, prompt: int = 8, steps: int = 2) -> list[torch.Tensor]:
+    """The logits of each forward of a greedy ``generate``: an 8-token prefill (its last
+    token's) and `steps` decode steps, with the KV cache."""
+    ids = torch.randint(3, 96, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                             min_new_tokens=steps + 1, do_sample=False, pad_token_id=2, output_logits=True,
+                             return_dict_in_generate=True)
+    return list(out.logits)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("name", "impl"), CASES)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_prefill_and_decode_are_bit_for_bit_the_resident_models(name: str, impl: str, batch: int) -> None:
+    expected = _decode(build_moe(name, 2, experts_implementation=impl), batch)
+    model = build_moe(name, 2, experts_implementation=impl)
+    offloader = _offload(model)
+    assert len(offloader.plan.experts) == 2  # every layer's experts, by the default config
+    routing = {c.group.routing for c in offloader.plan.experts}
+    assert routing == {Routing.SCORES if name == "llama4" else Routing.INDICES}
+    assert _equal(_decode(model, batch), expected)
+    stats = offloader.stats()
+    assert all(c.hits + c.misses > 0 for c in stats.experts)  # the caches served every step
+    offloader.restore()
+    assert _equal(_decode(model, batch), expected)  # restored exactly
+
+
+@pytest.mark.parametrize("slots", [1, 3, 16])
+def test_every_cache_size_is_exact(slots: int) -> None:
+    expected = _decode(build_moe("qwen2_moe", 2), 2, steps=4)
+    model = build_moe("qwen2_moe", 2)
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=2, expert_slots=slots))
+    assert {c.slots for c in offloader.plan.experts} == {slots}
+    assert _equal(_decode(model, 2, steps=4), expected)
+    residents = offloader.check().expert_residents
+    assert [len(experts) for _, _, experts in residents] == [slots, slots]  # full after a prefill of 16 tokens
+
+
+def _routed(model: Any, batch: int) -> list[list[tuple[int, ...]]]:
+    """The experts each layer routes at each forward of `_decode`, recorded from the
+    experts modules' inputs of the resident model."""
+    seen: list[list[tuple[int, ...]]] = []
+
+    def record(module: Any, args: tuple[Any, ...]) -> None:
+        seen[-1].append(tuple(int(e) for e in torch.unique(args[1]).tolist()))
+
+    handles = [layer.mlp.experts.register_forward_pre_hook(record) for layer in model.model.layers]
+    forwards = [0]
+
+    def begin(module: Any, args: tuple[Any, ...]) -> None:
+        seen.append([])
+        forwards[0] += 1
+
+    handles.append(model.model.register_forward_pre_hook(begin))
+    _decode(model, batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_each_step_copies_the_non_expert_weights_and_the_misses_exactly(batch: int) -> None:
+    model = build_moe("qwen3_moe", 4)
+    routed = _routed(build_moe("qwen3_moe", 4), batch)
+    offloader = _offload(model)
+    plan = offloader.plan
+    expert_refs = {(c.layer, name) for c in plan.experts for name in c.group.params}
+    # A kept position (the only owner of its slot) is copied once, at post_init.
+    copied_layers = {layer for position, layer in enumerate(plan.offloaded_layers)
+                     if position not in plan.schedule.kept_positions}
+    assert copied_layers
+    non_expert = sum(p.nbytes for p in plan.offloaded_params
+                     if (p.layer, p.name) not in expert_refs and p.layer in copied_layers)
+    expert_bytes = {c.layer: c.group.expert_bytes for c in plan.experts}
+    copied: list[int] = []
+    misses: list[dict[int, int]] = []
+    hooks = []
+
+    def before(module: Any, args: tuple[Any, ...]) -> None:
+        stats = offloader.stats()
+        copied.append(stats.bytes_copied)
+        misses.append({c.layer: c.misses for c in stats.experts})
+
+    hooks.append(model.model.register_forward_pre_hook(before))
+    _decode(model, batch)
+    hooks[0].remove()
+    before(model, ())
+    for step in range(1, len(copied) - 1):  # each step's copies: issued during the step before it, ahead
+        missed = {layer: misses[step + 1][layer] - misses[step][layer] for layer in expert_bytes}
+        got = copied[step + 1] - copied[step]
+        assert got == non_expert + sum(missed[layer] * expert_bytes[layer] for layer in missed), step
+    # and the misses are the routed experts the cache did not hold: never more than routed
+    for step, per_layer in enumerate(routed):
+        for layer, experts in enumerate(per_layer):
+            assert misses[step + 1][layer] - misses[step][layer] <= len(experts)
+
+
+def test_a_routing_index_outside_the_experts_is_refused_before_any_copy() -> None:
+    model = build_moe("mixtral", 2)
+    offloader = _offload(model)
+    experts = model.model.layers[0].mlp.experts
+    before = offloader.stats()
+    hidden = torch.zeros(2, 32)
+    weights = torch.ones(2, 2)
+    for bad in (8, -1):
+        index = torch.tensor([[0, 1], [2, bad]])
+        with pytest.raises(ExecutionError, match=rf"routing index {bad} is outside the 8 experts"):
+            experts(hidden, index, weights)
+    after = offloader.stats()
+    assert after.bytes_copied == before.bytes_copied and after.experts == before.experts
+
+
+def test_cache_sizes_outside_one_to_the_expert_count_are_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="expert_slots must be None or an integer >= 1, got 0"):
+        OffloadConfig(group_size=1, expert_slots=0)
+    model = build_moe("mixtral", 2)
+    with pytest.raises(PlanError, match=r"expert_slots \(C\) 9 is more than the 8 experts of layer 0 \(mlp.experts\): C must be 1 to 8"):
+        _offload(model, OffloadConfig(group_size=1, expert_slots=9))
+    assert all(p.device.type == "cpu" and type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_expert_cache_off_streams_the_layer_whole(cache: bool) -> None:
+    expected = _decode(build_moe("olmoe", 4), 1)
+    model = build_moe("olmoe", 4)
+    # Two slots for four layers: no position is kept, every layer is copied every step.
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=1, expert_cache=cache))
+    assert len(offloader.plan.experts) == (4 if cache else 0)
+    assert not offloader.plan.schedule.kept_positions
+    copied = []
+    hook = model.model.register_forward_pre_hook(lambda *_: copied.append(offloader.stats().bytes_copied))
+    assert _equal(_decode(model, 1), expected)
+    hook.remove()
+    whole = sum(p.nbytes for p in offloader.plan.offloaded_params)
+    decode_step = copied[2] - copied[1]  # one token's step, copied ahead while the one before it ran
+    if cache:
+        assert decode_step < whole / 2  # 8 of 64 experts routed per layer
+        assert offloader.stats().experts
+    else:
+        assert decode_step == whole
+        assert offloader.stats().experts == ()
+
+
+def test_new_weights_reset_the_caches() -> None:
+    twin = build_moe("qwen3_moe", 2, seed=1)
+    expected = _decode(twin, 1)
+    model = build_moe("qwen3_moe", 2, seed=0)
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=2, expert_slots=64))
+    first = _decode(model, 1)
+    assert not _equal(first, expected)
+    assert all(experts for _, _, experts in offloader.check().expert_residents)  # the old weights cached
+    offloader.load_weights({name: t.clone() for name, t in twin.state_dict().items()})
+    assert all(not experts for _, _, experts in offloader.check().expert_residents)
+    assert _equal(_decode(model, 1), expected)
+    model.load_state_dict(build_moe("qwen3_moe", 2, seed=0).state_dict())
+    assert _equal(_decode(model, 1), first)
+
+
+def test_check_lists_each_caches_residents_and_counts_their_bytes() -> None:
+    model = build_moe("gpt_oss", 2)
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=2, expert_slots=4))
+    found = offloader.check()
+    assert [(layer, module) for layer, module, _ in found.expert_residents] == [(0, "mlp.experts"),
+                                                                                 (1, "mlp.experts")]
+    assert found.device_bytes_held == found.plan_device_bytes
+    assert found.ok
+    _decode(model, 1)
+    found = offloader.check()
+    stats = offloader.stats()
+    for (layer, _, experts), counts in zip(found.expert_residents, stats.experts, strict=True):
+        assert len(experts) == 4 and all(0 <= e < 32 for e in experts)
+        assert counts.layer == layer and counts.hits + counts.misses > 0
+    assert found.ok  # the experts' slots are not compared with their host copies
+
+
+def test_a_cuda_graph_capture_is_refused_naming_the_layer_before_touching_the_device() -> None:
+    from offload.graphs import capture_forward
+
+    model = build_moe("mixtral", 2)
+    offloader = _offload(model)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ExecutionError, match=r"layer 0 mlp\.experts \(and 1 more experts modules\).*"
+                                             r"expert_cache=False"):
+        capture_forward(lambda x: model(input_ids=x), ids, offloader)
+    assert offloader.stats().steps == 0  # nothing ran
+
+
+def test_torch_compile_stays_exact_with_a_break_at_the_experts_call() -> None:
+    expected = build_moe("qwen2_moe", 2)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = expected(input_ids=ids).logits
+    model = build_moe("qwen2_moe", 2)
+    offloader = _offload(model)
+    compiled = torch.compile(model.model.layers[0], backend="eager")
+    model.model.layers[0] = compiled
+    with torch.inference_mode():
+        first = model(input_ids=ids).logits
+        second = model(input_ids=ids).logits
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert offloader.stats().experts[0].hits + offloader.stats().experts[0].misses > 0
+
+
+def test_a_recorded_profile_holds_the_hottest_experts_and_stays_exact() -> None:
+    from offload.executors.experts import record_routing
+    from offload.pure.experts.values import RoutingProfile
+
+    resident = build_moe("qwen3_moe", 2)
+    with record_routing(resident.model.layers) as record:
+        expected = _decode(resident, 1, steps=4)
+    profile = record.profile()
+    assert [(layer, module, len(counts)) for layer, module, counts in profile.counts] == [
+        (0, "mlp.experts", 64), (1, "mlp.experts", 64)]
+    assert sum(profile.counts[0][2]) == 8 * (8 + 4)  # top-8 of every token: the prompt's 8 and 4 decoded
+    trace = record.trace()
+    assert len(trace.steps) == 5 and all(len(step[0]) <= 64 for step in trace.steps)
+    model = build_moe("qwen3_moe", 2)
+    config = OffloadConfig(group_size=1, prefetch_step=2, expert_slots=8, routing_profile=profile)
+    offloader = _offload(model, config)
+    for cache, (_, _, counts) in zip(offloader.plan.experts, profile.counts, strict=True):
+        hottest = sorted(range(64), key=lambda j: (-counts[j], j))[:4]
+        assert cache.held == tuple(sorted(hottest))  # half the slots
+    assert _equal(_decode(model, 1, steps=4), expected)
+    for cache, (_, _, residents) in zip(offloader.plan.experts, offloader.check().expert_residents, strict=True):
+        assert set(cache.held) <= set(residents)
+    other = RoutingProfile(counts=((0, "mlp.experts", (1,) * 64),))  # layer 1 missing
+    with pytest.raises(PlanError, match="mlp.experts"):
+        _offload(build_moe("qwen3_moe", 2), attrs.evolve(config, routing_profile=other))
