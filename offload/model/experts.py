@@ -27,14 +27,15 @@ log = logger("offload.plan")
 
 
 def routing_of(module: nn.Module) -> Routing | None:
-    """How `module`'s forward is told which experts run, read from its signature; None
-    when it takes neither form."""
+    """How `module`'s forward is told which experts run, read from its class's signature
+    (an offloaded module's own forward is the cache's, which takes anything); None when it
+    takes neither form."""
     try:
-        signature = inspect.signature(module.forward)
+        signature = inspect.signature(type(module).forward)
     except (TypeError, ValueError):
         return None
     inputs = [p for p in signature.parameters.values()
-              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+              if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
     if len(inputs) >= 3:
         return Routing.INDICES
     if len(inputs) == 1:

@@ -259,3 +259,23 @@ def test_a_recorded_profile_holds_the_hottest_experts_and_stays_exact() -> None:
     other = RoutingProfile(counts=((0, "mlp.experts", (1,) * 64),))  # layer 1 missing
     with pytest.raises(PlanError, match="mlp.experts"):
         _offload(build_moe("qwen3_moe", 2), attrs.evolve(config, routing_profile=other))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama4"])
+def test_replaying_the_recorded_trace_predicts_the_executors_counts_and_bytes_exactly(name: str) -> None:
+    from offload.executors.experts import record_routing
+    from offload.pure.experts.replay import belady, replay
+
+    model = build_moe(name, 2)
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=2, expert_slots=4))
+    with record_routing(model.model.layers) as record:
+        _decode(model, 2, steps=6)
+    trace = record.trace()
+    assert len(trace.steps) == 7
+    predicted = replay(offloader.plan.experts, trace)
+    measured = offloader.stats().experts
+    assert [(g.hits, g.misses, g.evictions) for g in predicted.groups] == [
+        (c.hits, c.misses, c.evictions) for c in measured]
+    assert predicted.total_bytes == sum(c.bytes_copied for c in measured) > 0
+    optimum = belady(offloader.plan.experts, trace)
+    assert optimum.hits >= predicted.hits

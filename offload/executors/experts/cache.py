@@ -42,7 +42,7 @@ def _runs(experts: Sequence[int]) -> list[tuple[int, int]]:
 def _indices_argument(module: nn.Module) -> str | None:
     """The name of the forward's second input (the routing indices), for a keyword call."""
     try:
-        inputs = list(inspect.signature(module.forward).parameters)
+        inputs = list(inspect.signature(type(module).forward).parameters)[1:]  # after self
     except (TypeError, ValueError):
         return None
     return inputs[1] if len(inputs) > 1 else None

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from offload.pure.decide.admission import HostFit
 from offload.pure.decide.moves import Move, move_text
+from offload.pure.experts.render import render_caches
 from offload.pure.plan.blocks import copies_per_step, layer_copies
 from offload.pure.plan.plan import Backend, OffloadPlan, ParamPlan, Placement
 from offload.pure.units import format_bytes
@@ -163,6 +164,9 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
             lines.append(f"copies:   {sum(copies_per_step(plan))} per step{_loaded_once(plan, copies)}; {whole} of "
                          f"{len(copies)} offloaded layers are one copy each "
                          f"(layer_blocks {c.layer_blocks}, weights where they are now)")
+        if plan.experts:
+            lines.append("experts:  copied expert by expert as the routing asks, not with their layers' copies; "
+                         + render_caches(plan.experts).replace("\n", "\n          "))
     if plan.backend is Backend.UVA:
         lines.append(f"uva budget: {format_bytes(c.uva_max_bytes)}")
     if c.param_filter:
