@@ -112,21 +112,6 @@ GPU_HEADER = (f"{'mode':<12} {'batch':>5} {'tokens/s':>9} {'step ms':>8} {'copie
 # --- on the CPU: the seven small models -------------------------------------------------
 
 
-def _decode(model: Any, batch: int, *, prompt: int, steps: int) -> list[torch.Tensor]:
-    """The logits of each forward of a greedy ``generate``: the prefill's last token's,
-    then one per decode step."""
-    ids = torch.randint(3, 96, (batch, prompt), generator=torch.Generator().manual_seed(5))
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
-                             min_new_tokens=steps + 1, do_sample=False, pad_token_id=2, output_logits=True,
-                             return_dict_in_generate=True)
-    return list(out.logits)
-
-
-def _equal(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 @attrs.define
 class ServeTimer:
     """The host time the expert cache adds to each call of an experts module: the patched
@@ -187,7 +172,7 @@ def offloaded_run(name: str, layers: int, batch: int, *, cache: bool, prompt: in
     """`name` offloaded every layer (the expert cache on or off), decoded as `_decode` does."""
     from offload.hf import offload_model
     from offload.pure.env.snapshot import EnvSnapshot
-    from tests.hf.moe_models import build_moe
+    from tests.hf.moe_models import build_moe, decode_logits
 
     model = build_moe(name, layers, experts_implementation=impl)
     timer = ServeTimer()
@@ -210,7 +195,7 @@ def offloaded_run(name: str, layers: int, batch: int, *, cache: bool, prompt: in
             timer.on = len(snaps) > 1  # the decode steps only
 
         hook = model.model.register_forward_pre_hook(begin)
-        logits = _decode(model, batch, prompt=prompt, steps=steps)
+        logits = decode_logits(model, batch, prompt=prompt, steps=steps)
         hook.remove()
         snaps.append(offloader.stats())
     return Run(logits=logits, plan=offloader.plan, snaps=snaps, trace=record.trace(), overhead_ns=timer.samples_ns)
@@ -312,11 +297,11 @@ class Row:
 
 def measure_model(name: str, batch: int, args: argparse.Namespace) -> tuple[Row, list[str]]:
     """One row, and lines describing the model (for the first batch)."""
-    from tests.hf.moe_models import build_moe, implementations
+    from tests.hf.moe_models import build_moe, decode_logits, implementations, same_logits
 
     impl = args.experts_implementation if args.experts_implementation in implementations(name) else None
     resident = build_moe(name, args.layers, experts_implementation=impl)
-    expected = _decode(resident, batch, prompt=args.prompt, steps=args.steps)
+    expected = decode_logits(resident, batch, prompt=args.prompt, steps=args.steps)
     runs = {cache: offloaded_run(name, args.layers, batch, cache=cache, prompt=args.prompt, steps=args.steps,
                                  impl=impl) for cache in (True, False)}
     cache, whole = runs[True], runs[False]
@@ -347,7 +332,7 @@ def measure_model(name: str, batch: int, args: argparse.Namespace) -> tuple[Row,
               hits=100 * hits / routed if routed else None,
               belady=100 * best_hits / best_routed if best_routed else None,
               estimate=predicted.total_bytes / measured if measured else None,
-              parity=_equal(cache.logits, expected) and _equal(whole.logits, expected), overhead_us=overhead,
+              parity=same_logits(cache.logits, expected) and same_logits(whole.logits, expected), overhead_us=overhead,
               admit_us=admit_ns / calls / 1e3)
     plan = cache.plan
     group = plan.experts[0].group

@@ -6,14 +6,14 @@ down, for the expert-cache tests and `benchmarks/bench_moe.py`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["MOE_ARCHITECTURES", "build_moe", "implementations", "moe_config"]
+__all__ = ["MOE_ARCHITECTURES", "build_moe", "decode_logits", "implementations", "moe_config", "same_logits"]
 
 VOCAB = 96
 
@@ -77,3 +77,19 @@ def build_moe(name: str, layers: int = 2, *, seed: int = 0, dtype: torch.dtype =
                 param.normal_(0.0, 0.2)
     made: PreTrainedModel = model.eval()
     return made
+
+
+def decode_logits(model: Any, batch: int, *, seed: int = 5, prompt: int = 8, steps: int = 2) -> list[torch.Tensor]:
+    """The logits of each forward of a greedy ``generate``: a `prompt`-token prefill (its
+    last token's) and `steps` decode steps, with the KV cache."""
+    ids = torch.randint(3, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                             min_new_tokens=steps + 1, do_sample=False, pad_token_id=2, output_logits=True,
+                             return_dict_in_generate=True)
+    return list(out.logits)
+
+
+def same_logits(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether two runs of `decode_logits` are bit for bit equal."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -18,6 +18,8 @@ from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.spec.experts import Routing
 from offload.runtime.cpu import CpuRuntime
 from tests.hf.moe_models import MOE_ARCHITECTURES, build_moe, implementations
+from tests.hf.moe_models import decode_logits as _decode
+from tests.hf.moe_models import same_logits as _equal
 
 EVERY_LAYER = OffloadConfig(group_size=1, prefetch_step=2)
 CASES = [(name, impl) for name in MOE_ARCHITECTURES for impl in implementations(name)]
@@ -25,21 +27,6 @@ CASES = [(name, impl) for name in MOE_ARCHITECTURES for impl in implementations(
 
 def _offload(model: Any, config: OffloadConfig = EVERY_LAYER) -> Any:
     return offload_model(model, config, env=EnvSnapshot(), runtime=CpuRuntime())
-
-
-def _decode(model: Any, batch: int, *, seed: int = 5, prompt: int = 8, steps: int = 2) -> list[torch.Tensor]:
-    """The logits of each forward of a greedy ``generate``: an 8-token prefill (its last
-    token's) and `steps` decode steps, with the KV cache."""
-    ids = torch.randint(3, 96, (batch, prompt), generator=torch.Generator().manual_seed(seed))
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
-                             min_new_tokens=steps + 1, do_sample=False, pad_token_id=2, output_logits=True,
-                             return_dict_in_generate=True)
-    return list(out.logits)
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize(("name", "impl"), CASES)
