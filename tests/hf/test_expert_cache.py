@@ -13,8 +13,12 @@ import torch
 
 from offload.errors import ConfigError, ExecutionError, PlanError
 from offload.hf import offload_model
+from offload.model.describe import describe_layers
 from offload.pure.config import OffloadConfig
-from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.env.snapshot import EnvFlags, EnvSnapshot
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import profile_by_name
+from offload.pure.fit.search import fit
 from offload.pure.spec.experts import Routing
 from offload.runtime.cpu import CpuRuntime
 from tests.hf.moe_models import MOE_ARCHITECTURES, build_moe, implementations
@@ -266,3 +270,28 @@ def test_replaying_the_recorded_trace_predicts_the_executors_counts_and_bytes_ex
     assert predicted.total_bytes == sum(c.bytes_copied for c in measured) > 0
     optimum = belady(offloader.plan.experts, trace)
     assert optimum.hits >= predicted.hits
+
+
+@pytest.mark.parametrize(("layers", "fraction"), [(4, 0.8), (8, 0.95), (8, 0.9)])
+def test_a_device_budget_plans_the_caches_within_it_and_stays_exact(layers: int, fraction: float) -> None:
+    """`offload_model(device_budget_bytes=)` on a MoE model: fit counts the caches, so the
+    plan it makes for the device (an H100 with zero-copy off, where prefetch wins these
+    budgets) takes at most the budget, the caches as many slots as it has room for, and
+    the model run here with that configuration decodes bit for bit."""
+    expected = _decode(build_moe("qwen3_moe", layers), 2)
+    model = build_moe("qwen3_moe", layers)
+    spec = describe_layers(model.model.layers)
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - spec.nbytes
+    budget = outside + int(spec.nbytes * fraction)
+    env, profile = EnvSnapshot(flags=EnvFlags(disable_uva=True)), profile_by_name("h100-pcie5")
+    fitted = fit(spec, env, profile, Workload(), budget, outside_bytes=outside)
+    device = fitted.plan
+    assert device.experts and device.device_bytes_resident + device.device_bytes_buffers + outside <= budget
+    one_more = sum(c.group.expert_bytes for c in device.experts)
+    slots = fitted.chosen.config.expert_slots
+    assert slots is None or device.device_bytes_resident + device.device_bytes_buffers + outside + one_more > budget
+    offloader = offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile)
+    assert offloader.plan.config == fitted.chosen.config
+    assert [c.slots for c in offloader.plan.experts] == [c.slots for c in device.experts]
+    assert _equal(_decode(model, 2), expected)
+    offloader.restore()

@@ -164,7 +164,8 @@ def fit_with_tier(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, wor
                   max_prefetch_step: int = DEFAULT_MAX_PREFETCH_STEP, runners_up: int = DEFAULT_RUNNERS_UP,
                   layer_names: Sequence[str] = (), tensors: Mapping[str, TensorHeader] | None = None,
                   extents: Mapping[str, DiskExtent] | None = None,
-                  files: Sequence[FileIdentity] = ()) -> TierFit:
+                  files: Sequence[FileIdentity] = (), expert_cache: bool = True,
+                  expert_slots: int | None = None) -> TierFit:
     """`fit` within a device budget and a host budget together (see the module docstring),
     and the chosen plan's disk tier (None when its offloaded weights fit in host memory).
 
@@ -177,5 +178,5 @@ def fit_with_tier(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, wor
                          extents=extents, files=files)
     result = fit(spec, env, profile, workload, device_budget_bytes, outside_bytes=outside_bytes,
                  reserve_bytes=reserve_bytes, param_filter=param_filter, max_prefetch_step=max_prefetch_step,
-                 runners_up=runners_up, host=search)
+                 runners_up=runners_up, host=search, expert_cache=expert_cache, expert_slots=expert_slots)
     return TierFit(fit=result, tier=search.tier(result.plan, result.env))

@@ -81,11 +81,16 @@ class FitCandidate:
 
 
 def describe(config: OffloadConfig, *, joiner: str = ": ") -> str:
-    """A one-line description of a configuration, with its filter: ``prefetch: group_size
-    8, num_in_group 2, prefetch_step 1`` (``joiner`` goes after the backend's name)."""
+    """A one-line description of a configuration, with its expert caches' C where it sets
+    one and its filter: ``prefetch: group_size 8, num_in_group 2, prefetch_step 1``
+    (``joiner`` goes after the backend's name)."""
     if config.backend == "prefetch":
         text = (f"prefetch{joiner}group_size {config.group_size}, num_in_group {config.num_in_group}, "
                 f"prefetch_step {config.prefetch_step}")
+        if not config.expert_cache:
+            text += ", expert_cache off"
+        elif config.expert_slots is not None:
+            text += f", expert_slots {config.expert_slots}"
     elif config.backend == "uva":
         text = f"uva{joiner}uva_max_bytes {config.uva_max_bytes} ({format_bytes(config.uva_max_bytes)})"
     else:
@@ -167,7 +172,8 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
     makes it fit the budget)."""
     ls = expanded.layer_set
     config = OffloadConfig(backend="prefetch", group_size=ls.group_size, num_in_group=ls.num_in_group,
-                           prefetch_step=depth, param_filter=table.segments)
+                           prefetch_step=depth, param_filter=table.segments, expert_cache=table.expert_cache,
+                           expert_slots=table.expert_slots)
     rate = table.copy_rate
     schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
     placed = host.place(expanded.positions, schedule) if host is not None else None

@@ -49,6 +49,7 @@ from offload.errors import ConfigError, PlanError
 from offload.pure._checks import check_int_at_least
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.size import check_slots, default_slots
 from offload.pure.fit.candidates import (
     BACKEND_ORDER,
     FitCandidate,
@@ -139,8 +140,19 @@ def fit(
     max_prefetch_step: int = DEFAULT_MAX_PREFETCH_STEP,
     runners_up: int = DEFAULT_RUNNERS_UP,
     host: HostTier | None = None,
+    expert_cache: bool = True,
+    expert_slots: int | None = None,
 ) -> FitResult:
     """The configuration with the least predicted step time that fits the budget.
+
+    A mixture-of-experts model's prefetched experts modules get expert caches
+    (`OffloadConfig.expert_cache`), device memory the search counts: at `expert_slots`
+    slots each, or, where that is None, at one slot each, after which the winner's caches
+    take their default slots (`offload.pure.experts.size.default_slots`) if the budget
+    has room for them, or else the largest C that fits (its config then says C; the
+    runners-up keep one slot). The step is costed as if every expert were copied: what a
+    cache saves depends on the routing (`offload.pure.experts.replay` predicts it from a
+    trace).
 
     Args:
         spec: the model.
@@ -160,18 +172,22 @@ def fit(
             (`offload.pure.disk.search.TierSearch`; see `offload.pure.fit.host`): a
             candidate whose host copies do not fit is costed with its last offloaded layers
             read from disk, or dropped where no disk tier makes it fit.
+        expert_cache: False: no expert caches; MoE layers are streamed whole.
+        expert_slots: C of every expert cache (1 to the smallest expert count); None: as
+            the budget allows (above).
 
     Returns:
         The chosen configuration with its plan and estimate, and the runners-up.
 
     Raises:
         ConfigError: a negative budget, outside bytes or reserve, a bad filter segment, a
-            bad limit.
+            bad limit, a bad `expert_cache` or `expert_slots`.
         PlanError: nothing fits; the message names the leanest configuration, the device
             bytes it needs and by how many bytes it misses the budget. With `host`: some
             configuration fits the device but none fits both budgets; the message names
             the least host budget that works with this device budget and the least device
             budget that works with this host budget, each with its configuration.
+            `expert_slots` above an experts module's expert count (naming it).
     """
     check_int_at_least("device_budget_bytes", device_budget_bytes, 0, ConfigError)
     check_int_at_least("outside_bytes", outside_bytes, 0, ConfigError)
@@ -179,9 +195,14 @@ def fit(
     check_int_at_least("max_prefetch_step", max_prefetch_step, 1, ConfigError)
     check_int_at_least("runners_up", runners_up, 0, ConfigError)
     budget, reserve, max_step, keep = device_budget_bytes, reserve_bytes, max_prefetch_step, runners_up
-    segments = OffloadConfig(param_filter=tuple(param_filter)).param_filter  # validates the segments
+    # Validates the segments and the expert options.
+    segments = OffloadConfig(param_filter=tuple(param_filter), expert_cache=expert_cache,
+                             expert_slots=expert_slots).param_filter
+    if expert_cache and expert_slots is not None and spec.experts:
+        check_slots(spec.experts, expert_slots)
     penv = planning_env(env, profile)
-    table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes)
+    table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes, expert_cache=expert_cache,
+                        expert_slots=expert_slots)
 
     none = none_candidate(table)
     if none.device_bytes <= budget:
@@ -242,7 +263,8 @@ def fit(
             value=budget,
         )
     return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
-                   simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host)
+                   simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host,
+                   size_caches=expert_slots is None)
 
 
 def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
@@ -278,7 +300,8 @@ def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | No
             least = host.least_host_bytes(expanded.positions, schedule)
             config = OffloadConfig(backend="prefetch", group_size=layer_set.group_size,
                                    num_in_group=layer_set.num_in_group, prefetch_step=depth,
-                                   param_filter=table.segments)
+                                   param_filter=table.segments, expert_cache=table.expert_cache,
+                                   expert_slots=table.expert_slots)
             if device <= budget and (least_host is None or least < least_host[0]):
                 least_host = (least, config)
             if least <= host_budget and device < least_device[0]:
@@ -296,9 +319,10 @@ def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | No
 
 def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best: FitCandidate,
             others: tuple[FitCandidate, ...], *, simulated: int, considered: int,
-            host: HostTier | None = None) -> FitResult:
+            host: HostTier | None = None, size_caches: bool = False) -> FitResult:
     """Make the real plan of the winner and check it against the search's prediction (with
-    `host`: its step with its disk tier, and the host memory it then takes)."""
+    `host`: its step with its disk tier, and the host memory it then takes); with
+    `size_caches`, give its expert caches the slots the budget has room for (`_sized`)."""
     plan = make_plan(spec, best.config, penv)
     if host is not None and plan.backend.value == "prefetch":
         step, host_bytes = host.estimate(plan, table.profile, table.workload)
@@ -318,7 +342,23 @@ def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best:
             f"{chosen.device_bytes}, {chosen.host_bytes} and {chosen.step_seconds} s; please report this",
             name="config", value=best.config,
         )
+    if size_caches and plan.experts:
+        config = _sized(best.config, plan, budget - chosen.device_bytes)
+        if config != best.config:
+            plan = make_plan(spec, config, penv)
+            chosen = attrs.evolve(chosen, config=config, buffer_bytes=plan.device_bytes_buffers)
     return FitResult(budget_bytes=budget, chosen=chosen, plan=plan, estimate=step, runners_up=others,
                      profile=table.profile, workload=table.workload, env=penv,
                      simulated=simulated, considered=considered,
                      host_budget_bytes=host.host_budget_bytes if host is not None else None)
+
+
+def _sized(config: OffloadConfig, plan: OffloadPlan, spare: int) -> OffloadConfig:
+    """`config` (whose `plan` has expert caches of one slot each) with the caches' default
+    slots where they take at most `spare` more device bytes, or else with the largest C
+    whose caches do (one at least: `plan` fits)."""
+    groups = [cache.group for cache in plan.experts]
+    if sum((default_slots(g) - 1) * g.expert_bytes for g in groups) <= spare:
+        return attrs.evolve(config, expert_slots=None)
+    per_slot = sum(g.expert_bytes for g in groups)
+    return attrs.evolve(config, expert_slots=min(1 + spare // per_slot, min(g.num_experts for g in groups)))

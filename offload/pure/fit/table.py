@@ -9,6 +9,11 @@ offloads, with a lower bound on its step and on its device bytes from prefix sum
 Prefetch never offloads a storage tied across layers (`offload.pure.decide.selection`: one
 Parameter cannot point at two layers' buffers), so no layer set holds one; UVA may.
 
+The expert caches of a mixture-of-experts model (`offload.pure.plan.experts`) are device
+memory beside the slots: the table holds, per layer, what its caches take at the search's
+C (the user's `expert_slots`, or one slot each: `fit` sizes the winner's afterwards), and
+`buffer_bytes` counts them with the slots.
+
 A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
 with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
 and its schedule are worked out per cycle here too (`Expanded.cycles`).
@@ -86,6 +91,11 @@ class Table:
     reserve: int
     outside: int  # weights outside the layers, always resident, bytes
     stack_ranges: tuple[tuple[int, int], ...] = ()  # the model's stacks, (first, stop) layers each
+    cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
+    expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
+    # The search's C, its plans' `OffloadConfig.expert_slots`: the user's, or 1 where the
+    # model has caches to cost.
+    expert_slots: int | None = None
 
     @property
     def fixed_bytes(self) -> int:
@@ -108,6 +118,7 @@ class Expanded:
     kinds: tuple[tuple[int, ...], ...]  # position indices of each kind (same buffer keys)
     keys: tuple[tuple[int, tuple[int, ...]], ...]  # per buffer key: (slot bytes, kinds using it)
     cycles: tuple[int, ...] = ()  # positions per schedule cycle (one per stack); (): one cycle
+    cache_bytes: int = 0  # the expert caches of its layers
 
 
 def _key(param: ParamSpec) -> Key:
@@ -115,8 +126,10 @@ def _key(param: ParamSpec) -> Key:
 
 
 def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Workload,
-                segments: tuple[str, ...], reserve: int, outside: int = 0) -> Table:
-    """Group storages and decide eligibility exactly as `make_plan` does."""
+                segments: tuple[str, ...], reserve: int, outside: int = 0, *, expert_cache: bool = True,
+                expert_slots: int | None = None) -> Table:
+    """Group storages and decide eligibility exactly as `make_plan` does; the expert caches
+    are costed at `expert_slots` slots each, or one where it is None."""
     platform = env.platform
     pin = decide_pinning(env)
     groups: list[list[tuple[int, ParamSpec]]] = []
@@ -136,6 +149,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
     layer_bytes, layer_has = [0] * num, [False] * num
     keys: list[list[tuple[Key, int]]] = [[] for _ in range(num)]
     uva: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    owners: set[tuple[int, str]] = set()  # storages a prefetch plan gives a buffer of their own
     for group in groups:
         first_layer, first = group[0]
         # A member in the first member's layer shares its buffer and is moved once.
@@ -152,13 +166,27 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             layer_bytes[first_layer] += first.nbytes
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
+            owners.add((first_layer, first.name))
+    caches = _cache_bytes(spec, owners, expert_slots or 1) if expert_cache else ()
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
+        cache_bytes=caches, expert_cache=expert_cache, expert_slots=expert_slots or 1 if caches else expert_slots,
     )
+
+
+def _cache_bytes(spec: ModelSpec, owners: set[tuple[int, str]], slots: int) -> tuple[int, ...]:
+    """Per layer, the bytes of `slots` slots of each experts module whose parameters all
+    have buffers of their own when the layer is prefetched (`plan_expert_caches`' rule:
+    prefetched, untied); () when there are none."""
+    out = [0] * len(spec.layers)
+    for group in spec.experts:
+        if all((group.layer, name) in owners for name in group.params):
+            out[group.layer] += slots * group.expert_bytes
+    return tuple(out) if any(out) else ()
 
 
 def _prefix_sums(values: Iterable[int]) -> list[int]:
@@ -234,6 +262,7 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
     num = len(table.compute)
     prefix_bytes = _prefix_sums(table.layer_bytes)
     prefix_has = _prefix_sums(table.layer_has)
+    prefix_cache = _prefix_sums(table.cache_bytes or [0] * num)
     signatures: dict[tuple[tuple[Key, int], ...], list[int]] = {}
     for layer, keys in enumerate(table.layer_keys):
         if keys:
@@ -275,10 +304,11 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
             elif count < 2 * max_step:
                 # Few enough positions that a deep depth leaves some alone in a slot.
                 copied -= _most_kept(table, intervals, max_step, budget - table.resident_bytes + host - table.fixed_bytes)
-            # At least one slot per key present; without an exact count, no buffers at all.
+            # At least one slot per key present (without an exact count, no slots at all), and
+            # the expert caches.
             present = {key: nbytes for sig, ps in prefix_sig.items() if any(ps[b] - ps[a] for a, b in intervals)
                        for key, nbytes in sig}
-            buffers = sum(present.values())
+            buffers = sum(present.values()) + sum(prefix_cache[b] - prefix_cache[a] for a, b in intervals)
             out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, host_bytes=host,
                                 bound_seconds=max(compute, copied / rate),
                                 min_device_bytes=table.resident_bytes - host + buffers + table.fixed_bytes))
@@ -300,16 +330,18 @@ def expand(table: Table, layer_set: LayerSet) -> Expanded:
                     copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.layer_bytes)),
                     kinds=tuple(tuple(v) for v in kinds.values()),
                     keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()),
-                    cycles=stack_cycles(positions, table.stack_ranges))
+                    cycles=stack_cycles(positions, table.stack_ranges),
+                    cache_bytes=sum(table.cache_bytes[i] for i in positions) if table.cache_bytes else 0)
 
 
 def buffer_bytes(expanded: Expanded, depth: int) -> int:
     """Static buffer bytes at `depth`: each key x the slots its positions use (``i mod depth``,
-    per cycle: `cycle_slots`)."""
+    per cycle: `cycle_slots`), and the expert caches of its layers."""
     if expanded.cycles:
         slot_of = cycle_slots(len(expanded.positions), depth, expanded.cycles)
         slots = [{slot_of[index] for index in kind} for kind in expanded.kinds]
     else:
         slots = [{index % depth for index in kind} for kind in expanded.kinds]
-    return sum(nbytes * len(slots[used[0]] if len(used) == 1 else set().union(*(slots[k] for k in used)))
-               for nbytes, used in expanded.keys)
+    return expanded.cache_bytes + sum(
+        nbytes * len(slots[used[0]] if len(used) == 1 else set().union(*(slots[k] for k in used)))
+        for nbytes, used in expanded.keys)

@@ -53,8 +53,10 @@ def device_bytes(plan_env: EnvSnapshot, config: OffloadConfig, spec: ModelSpec, 
 
 
 def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve: int,
-           segments: tuple[str, ...], max_depth: int = MAX_STEP, outside: int = 0) -> float | None:
-    """The least step time of any fitting configuration, or None when nothing fits."""
+           segments: tuple[str, ...], max_depth: int = MAX_STEP, outside: int = 0,
+           expert_slots: int | None = None) -> float | None:
+    """The least step time of any fitting configuration, or None when nothing fits
+    (prefetch's expert caches at `expert_slots` slots each: None, the default)."""
     plan_env = planning_env(env, TOY)
     configs = [OffloadConfig(backend="none")]
     layers = len(spec.layers)
@@ -62,7 +64,7 @@ def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve:
         for share in range(1, group + 1):
             for depth in range(1, min(layers, max_depth) + 1):
                 configs.append(OffloadConfig(backend="prefetch", group_size=group, num_in_group=share,
-                                             prefetch_step=depth, param_filter=segments))
+                                             prefetch_step=depth, param_filter=segments, expert_slots=expert_slots))
     every = make_plan(spec, OffloadConfig(backend="uva", uva_max_bytes=1 << 60, param_filter=segments), plan_env)
     prefix = 0
     for p in every.params:

@@ -1,0 +1,175 @@
+"""`fit` over mixture-of-experts models: the expert caches' device bytes are in its figures.
+
+The search costs each prefetched experts module at one slot (or the user's C); the winner's
+caches then take the default slots where the budget has room for them, or the largest C
+that fits. The plan `fit` returns fits the budget by its own numbers, and fit is as fast as
+a brute-force oracle over every configuration with one slot per cache.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.errors import PlanError
+from offload.pure import EnvFlags, EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, ParamSpec, make_plan
+from offload.pure.experts.size import default_slots
+from offload.pure.fit.estimate import Workload
+from offload.pure.fit.profiles import DeviceProfile, planning_env
+from offload.pure.fit.render import render_fit
+from offload.pure.fit.search import FitResult, fit
+from offload.pure.spec.experts import ExpertGroup, Routing
+from offload.pure.spec.values import contiguous_stride
+from tests.pure.fit.test_search import MAX_STEP, TOY, oracle
+
+#: UVA off, so that prefetch wins most budgets below the whole model.
+NO_UVA = EnvSnapshot(flags=EnvFlags(disable_uva=True))
+ENVS = st.sampled_from((NO_UVA, EnvSnapshot()))
+
+
+def _param(name: str, shape: tuple[int, ...]) -> ParamSpec:
+    return ParamSpec(name=name, shape=shape, stride=contiguous_stride(shape), dtype="float32", itemsize=4)
+
+
+def moe_spec(layers: list[tuple[int, int | None]], *, hidden: int = 4, ffn: int = 2) -> ModelSpec:
+    """A model of one attention weight of `size` floats per layer, and `E` experts
+    (gate_up (E, 2 ffn, hidden), down (E, hidden, ffn)) in the layers whose E is not None."""
+    specs, groups = [], []
+    for index, (size, experts) in enumerate(layers):
+        params = [_param("attn.weight", (size,))]
+        if experts is not None:
+            names = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+            params += [_param(names[0], (experts, 2 * ffn, hidden)), _param(names[1], (experts, hidden, ffn))]
+            groups.append(ExpertGroup(layer=index, module="mlp.experts", num_experts=experts, params=names,
+                                      expert_bytes=3 * ffn * hidden * 4, routing=Routing.INDICES))
+        specs.append(LayerSpec(index=index, name=f"model.layers.{index}", params=tuple(params)))
+    return ModelSpec(layers=tuple(specs), experts=tuple(groups))
+
+
+@st.composite
+def moe_specs(draw: st.DrawFn) -> ModelSpec:
+    """1 to 5 layers, each with an attention weight and, most of the time, 2 to 16 experts."""
+    count = draw(st.integers(1, 5))
+    layers = [(draw(st.integers(1, 64)), draw(st.one_of(st.none(), st.integers(2, 16)))) for _ in range(count)]
+    return moe_spec(layers, hidden=draw(st.integers(1, 4)), ffn=draw(st.integers(1, 3)))
+
+
+def run(spec: ModelSpec, env: EnvSnapshot, budget: int, tokens: int = 1, profile: DeviceProfile = TOY,
+        expert_cache: bool = True, expert_slots: int | None = None) -> FitResult:
+    return fit(spec, env, profile, Workload(tokens_per_step=tokens), budget, max_prefetch_step=MAX_STEP,
+               expert_cache=expert_cache, expert_slots=expert_slots)
+
+
+def _fits(result: FitResult) -> int:
+    """Device bytes of the result by its plan and estimate (with UVA's on-demand copy)."""
+    plan = result.plan
+    transient = max((layer.on_demand_bytes for layer in result.estimate.layers), default=0)
+    return plan.device_bytes_resident + plan.device_bytes_buffers + transient
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=moe_specs(), env=ENVS, tokens=st.integers(1, 64), fraction=st.floats(0.0, 1.2))
+def test_fit_of_a_moe_model_fits_by_its_plan_and_is_as_fast_as_any_configuration(
+        spec: ModelSpec, env: EnvSnapshot, tokens: int, fraction: float) -> None:
+    budget = int(spec.nbytes * fraction)
+    best = oracle(spec, env, tokens, budget, 0, (), expert_slots=1)
+    if best is None:
+        with pytest.raises(PlanError, match="more than the budget"):
+            run(spec, env, budget, tokens)
+        return
+    result = run(spec, env, budget, tokens)
+    assert result.chosen.step_seconds == pytest.approx(best, rel=1e-9)
+    assert _fits(result) == result.chosen.device_bytes <= budget
+    caches = result.plan.experts
+    config = result.chosen.config
+    if config.backend != "prefetch":
+        assert caches == ()
+        return
+    offloaded = {p.layer for p in result.plan.offloaded_params}
+    assert {c.layer for c in caches} == {g.layer for g in spec.experts if g.layer in offloaded}
+    if config.expert_slots is None:  # the default of every module
+        assert all(c.slots == default_slots(c.group) for c in caches)
+    else:  # one C, the largest that fits (or every expert)
+        assert {c.slots for c in caches} <= {config.expert_slots}
+        more = sum(c.group.expert_bytes for c in caches)
+        assert (config.expert_slots == min(c.group.num_experts for c in caches)
+                or _fits(result) + more > budget)
+        assert any(default_slots(c.group) > config.expert_slots for c in caches)
+
+
+#: Two MoE layers of 16 experts of 96 bytes (default 2 slots each): one layer of 1568
+#: bytes resident and the other's slot take more than the budgets below, so fit offloads
+#: both at depth 1 and what is left goes to the caches.
+SPEC = moe_spec([(8, 16), (8, 16)])
+EXPERT = 96
+#: Zero-copy reads so slow that UVA never beats prefetch (the tests below size the caches
+#: of a prefetch plan).
+SLOW_UVA = attrs.evolve(TOY, zero_copy_fraction=0.001)
+
+
+def _run(budget: int, *, expert_cache: bool = True, expert_slots: int | None = None) -> FitResult:
+    return run(SPEC, EnvSnapshot(), budget, profile=SLOW_UVA, expert_cache=expert_cache, expert_slots=expert_slots)
+
+
+def _lean(spec: ModelSpec) -> int:
+    """Device bytes of prefetching every layer at depth 1 with one slot per cache: its
+    largest layer's slot, both caches' one expert each."""
+    plan = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1,
+                                         expert_slots=1), planning_env(EnvSnapshot(), SLOW_UVA))
+    return plan.device_bytes_resident + plan.device_bytes_buffers
+
+
+def test_a_generous_budget_gives_every_cache_its_default_slots() -> None:
+    result = _run(_lean(SPEC) + 10 * EXPERT)
+    assert result.chosen.config.backend == "prefetch"
+    assert result.chosen.config.expert_slots is None
+    assert [c.slots for c in result.plan.experts] == [2, 2]
+
+
+def test_a_tight_budget_gives_the_caches_the_slots_it_has_room_for() -> None:
+    lean = _lean(SPEC)
+    at_least = _run(lean)
+    assert _fits(at_least) == lean
+    assert at_least.chosen.config.expert_slots == 1
+    assert [c.slots for c in at_least.plan.experts] == [1, 1]
+    assert "prefetch_step 1, expert_slots 1" in render_fit(at_least)
+    assert [c.slots for c in _run(lean + 2 * EXPERT - 1).plan.experts] == [1, 1]
+    roomy = _run(lean + 2 * EXPERT)
+    assert [c.slots for c in roomy.plan.experts] == [2, 2] and _fits(roomy) == lean + 2 * EXPERT
+
+
+def test_below_the_leanest_with_caches_fit_leaves_the_caches_out_or_moves_on() -> None:
+    """One byte below prefetch's leanest with caches: it does not fit, so the slow UVA
+    wins; without caches prefetch fits again, and wins."""
+    lean = _lean(SPEC)
+    cached = _run(lean - 1)
+    assert cached.chosen.config.backend == "uva" and cached.plan.experts == ()
+    assert _fits(cached) <= lean - 1
+    result = _run(lean - 1, expert_cache=False)
+    assert result.chosen.config.backend == "prefetch"
+    assert result.plan.experts == () and result.chosen.config.expert_cache is False
+    assert _fits(result) == lean - 2 * EXPERT
+
+
+def test_the_users_slots_are_costed_and_kept() -> None:
+    result = _run(_lean(SPEC) + 8 * EXPERT, expert_slots=5)
+    assert result.chosen.config.expert_slots == 5
+    assert [c.slots for c in result.plan.experts] == [5, 5]
+    assert _fits(result) == result.chosen.device_bytes == _lean(SPEC) + 8 * EXPERT
+    # A byte less and no prefetch at C 5 fits: the slow UVA does.
+    assert _run(_lean(SPEC) + 8 * EXPERT - 1, expert_slots=5).chosen.config.backend == "uva"
+
+
+def test_slots_above_the_expert_count_are_refused() -> None:
+    with pytest.raises(PlanError, match="16"):
+        _run(1 << 20, expert_slots=17)
+
+
+def test_without_expert_caches_fit_streams_the_moe_layers_whole() -> None:
+    result = _run(_lean(SPEC), expert_cache=False)
+    assert result.plan.experts == ()
+    assert all(not c.config.expert_cache for c in (result.chosen, *result.runners_up)
+               if c.config.backend == "prefetch")
+    assert "expert_cache off" in render_fit(result)
