@@ -8,6 +8,12 @@ top_k_index, top_k_weights)``). How it is told which experts run (`Routing`) com
 its forward's signature: three or more inputs, the second the routing indices
 (transformers 5's fused experts, gpt-oss); one input, the tokens laid out per expert and
 scaled by the router's scores (Llama 4).
+
+Or a ``ModuleList`` of E (2 or more) expert modules of one class and the same parameters,
+alike in shape and dtype, beside a router: a parameter of its parent, outside the list, of
+shape [E, X] (``gate.weight``). Each expert is then served when it is called
+(`Routing.CALLS`), which assumes that the parent reads an expert's weights only by calling
+it, as the models of this kind do (Mixtral's and Qwen2-MoE's older code, custom MoEs).
 """
 
 from __future__ import annotations
@@ -78,6 +84,33 @@ def _group(index: int, path: str, module: nn.Module, specs: Mapping[str, ParamSp
                        routing=routing)
 
 
+def _alike(module: nn.Module) -> list[tuple[str, tuple[int, ...], object]]:
+    return [(name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()]
+
+
+def _list_group(index: int, path: str, module: nn.Module, parent: nn.Module,
+                specs: Mapping[str, ParamSpec]) -> ExpertGroup | None:
+    """A ``ModuleList`` of experts (`Routing.CALLS`), or None."""
+    experts = list(module.children())
+    e = len(experts)
+    if not isinstance(module, nn.ModuleList) or e < 2 or len({type(x) for x in experts}) != 1:
+        return None
+    first = _alike(experts[0])
+    if not first or any(_alike(x) != first for x in experts[1:]):
+        return None
+    inside = {id(p) for p in module.parameters()}
+    if not any(p.dim() == 2 and p.shape[0] == e and id(p) not in inside for p in parent.parameters()):
+        return None  # no router beside it: a list of layers alike, not of experts
+    names = tuple(f"{path}.{j}.{name}" for j in range(e) for name, _, _ in first)
+    if any(name not in specs for name in names):
+        return None  # described otherwise (a quantised weight as its inner tensors)
+    total = sum(specs[name].nbytes for name in names)
+    if total % e:
+        return None
+    return ExpertGroup(layer=index, module=path, num_experts=e, params=names, expert_bytes=total // e,
+                       routing=Routing.CALLS)
+
+
 def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertGroup, ...]:
     """The experts modules of one layer, as `spec` (its `LayerSpec`) names their
     parameters; none where its parameters are not described by those names (a quantised
@@ -91,7 +124,11 @@ def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertG
     specs = {p.name: p for p in spec.params}
     found: list[ExpertGroup] = []
     for path, module in layer.named_modules():
-        group = _group(index, path, module, specs)
+        if isinstance(module, nn.ModuleList):
+            parent = layer.get_submodule(path.rpartition(".")[0]) if path else None
+            group = _list_group(index, path, module, parent, specs) if parent is not None else None
+        else:
+            group = _group(index, path, module, specs)
         if group is not None:
             found.append(group)
     return tuple(found)

@@ -20,7 +20,8 @@ from offload.protocols import Event, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.experts.policy import CacheState, admit, initial_state
 from offload.pure.experts.values import ExpertCachePlan
-from offload.pure.spec.experts import Routing
+from offload.pure.spec.experts import ExpertGroup, Routing
+from offload.pure.spec.values import contiguous_stride
 from offload.pure.stats import ExpertCounts
 
 __all__ = ["ExpertCaches"]
@@ -48,12 +49,18 @@ def _indices_argument(module: nn.Module) -> str | None:
     return inputs[1] if len(inputs) > 1 else None
 
 
+#: A parameter kind's E rows: the fused tensor (expert j its row j), or, for a `Routing.CALLS`
+#: module, the E experts' own tensors.
+Rows = torch.Tensor | list[torch.Tensor]
+
+
 @final
 class _Cache:
-    """One experts module's cache: its slot rows (``rows[i]``, the slot buffer of its i-th
-    parameter, E rows), host copies (``hosts[i]``) and cache slots (``slots[i]``, C rows)."""
+    """One experts module's cache: its slot rows (``rows[i]``, the slot buffers of its i-th
+    kind of parameter, E rows), host copies (``hosts[i]``, the same) and cache slots
+    (``slots[i]``, C rows)."""
 
-    def __init__(self, plan: ExpertCachePlan, rt: Runtime, rows: list[torch.Tensor], hosts: list[torch.Tensor],
+    def __init__(self, plan: ExpertCachePlan, rt: Runtime, rows: list[Rows], hosts: list[Rows],
                  slots: list[torch.Tensor]) -> None:
         self.plan = plan
         self._rt = rt
@@ -66,7 +73,7 @@ class _Cache:
         self.evictions = 0
         self.copies = 0
         self.bytes_copied = 0
-        self.row_bytes = [h[0].numel() * h.element_size() if h.shape[0] else 0 for h in hosts]
+        self.row_bytes = [h[0].numel() * h[0].element_size() if len(h) else 0 for h in hosts]
 
     def load_held(self) -> None:
         """Fill the held experts' slots from their host copies (post_init, new weights)."""
@@ -87,8 +94,13 @@ class _Cache:
             done: Event | None = None
             for first, stop in _runs(sorted(e for e, _ in access.misses)):
                 for i, (row, host) in enumerate(zip(self.rows, self.hosts, strict=True)):
-                    done = self._rt.copy_after(row[first:stop], host[first:stop], after)
-                    self.copies += 1
+                    if isinstance(row, torch.Tensor) and isinstance(host, torch.Tensor):
+                        done = self._rt.copy_after(row[first:stop], host[first:stop], after)
+                        self.copies += 1
+                    else:  # one tensor per expert (not fused)
+                        for expert in range(first, stop):
+                            done = self._rt.copy_after(row[expert], host[expert], after)
+                        self.copies += stop - first
                     self.bytes_copied += (stop - first) * self.row_bytes[i]
             if done is not None:
                 self._rt.wait(done)
@@ -103,6 +115,13 @@ class _Cache:
     def counts(self) -> ExpertCounts:
         return ExpertCounts(layer=self.plan.layer, module=self.plan.group.module, hits=self.hits,
                             misses=self.misses, evictions=self.evictions, bytes_copied=self.bytes_copied)
+
+
+def _host_rows(group: ExpertGroup, hosts: Callable[[Ref], torch.Tensor]) -> list[Rows]:
+    """The host copies of `group`'s parameters, per kind (`_Cache`)."""
+    copies = [hosts((group.layer, name)) for name in group.params]
+    k = group.kinds
+    return list(copies) if group.fused else [copies[i::k] for i in range(k)]
 
 
 def _routed_by_indices(layer: int, module: str, experts: int, indices: object) -> tuple[int, ...]:
@@ -141,6 +160,7 @@ class ExpertCaches:
         self._patched: list[tuple[nn.Module, Callable[..., Any] | None]] = []
         self.refs: frozenset[Ref] = frozenset((p.layer, name) for p in self._plans for name in p.group.params)
         self._rows: dict[Ref, torch.Tensor] = {}
+        self._hosts: Callable[[Ref], torch.Tensor] | None = None
 
     @property
     def active(self) -> bool:
@@ -163,18 +183,32 @@ class ExpertCaches:
             layers: the offloader's layers.
             hosts: each expert parameter's host copy (E rows).
         """
+        self._hosts = hosts
         for plan in self._plans:
             group = plan.group
             refs = [(group.layer, name) for name in group.params]
             buffers = [self._rows[ref] for ref in refs]
             for buffer in buffers:
                 buffer.zero_()  # rows the module reads and no expert was copied to hold finite values
-            slots = [self._rt.device_empty((plan.slots, *b.shape[1:]), tuple(b.stride()), b.dtype) for b in buffers]
-            cache = _Cache(plan, self._rt, buffers, [hosts(ref) for ref in refs], slots)
+            module = layers[group.layer].get_submodule(group.module)
+            if group.fused:
+                rows: list[Rows] = list(buffers)
+                slots = [self._rt.device_empty((plan.slots, *b.shape[1:]), tuple(b.stride()), b.dtype)
+                         for b in buffers]
+            else:  # kind i of expert j is params[j * kinds + i]
+                k = group.kinds
+                rows = [buffers[i::k] for i in range(k)]
+                slots = [self._rt.device_empty((plan.slots, *b.shape), contiguous_stride((plan.slots, *b.shape)), b.dtype)
+                         for b in buffers[:k]]
+            cache = _Cache(plan, self._rt, rows, _host_rows(group, hosts), slots)
             cache.load_held()
             self._caches.append(cache)
-            module = layers[group.layer].get_submodule(group.module)
-            self._patched.append((module, patch_forward(module, functools.partial(self._serving, cache, module))))
+            if group.fused:
+                self._patched.append((module, patch_forward(module, functools.partial(self._serving, cache, module))))
+            else:  # each expert served when it is called
+                for expert, child in enumerate(module.children()):
+                    self._patched.append((child, patch_forward(child, functools.partial(self._serving_one, cache,
+                                                                                       expert))))
         if self._caches:
             log.info("expert caches on %d experts modules: %s slots", len(self._caches),
                      ", ".join(sorted({str(c.plan.slots) for c in self._caches})))
@@ -203,9 +237,29 @@ class ExpertCaches:
         disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
         return disabled
 
+    def _serving_one(self, cache: _Cache, expert: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The forward of expert `expert` of a `Routing.CALLS` module: served, then run."""
+        group = cache.plan.group
+        rt = self._rt
+
+        def serving_forward(*args: Any, **kwargs: Any) -> Any:
+            if rt.is_capturing():
+                raise ExecutionError(f"layer {group.layer} {group.module}: its experts are copied as they are called, "
+                                     "which a CUDA graph cannot capture; offload it with expert_cache=False to "
+                                     "capture it", name=group.module, value=group.layer)
+            cache.serve((expert,))
+            return forward(*args, **kwargs)
+
+        disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
+        return disabled
+
     def reset(self) -> None:
-        """New weights: every cache forgets its residents and refills its held experts."""
+        """New weights: every cache forgets its residents, takes its parameters' host copies
+        as they are now (a disk-tier weight's new copy is another file's), and refills its
+        held experts."""
         for cache in self._caches:
+            if self._hosts is not None:
+                cache.hosts = _host_rows(cache.plan.group, self._hosts)
             cache.load_held()
 
     def remove(self) -> None:
@@ -215,6 +269,7 @@ class ExpertCaches:
         self._patched = []
         self._caches = []
         self._rows = {}
+        self._hosts = None
 
     def counts(self) -> tuple[ExpertCounts, ...]:
         """Each cache's counters."""

@@ -12,6 +12,7 @@ from typing import Any, final
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from offload.errors import PlanError
 from offload.model.describe import describe_layers
@@ -51,6 +52,20 @@ class RoutingRecord:
         for j, c in enumerate(per_expert):
             totals[j] += c
 
+    def begin(self, index: int) -> None:
+        """A call of a `Routing.CALLS` module's parent: a new call, its experts to come."""
+        self._calls[index].append(())
+
+    def called(self, index: int, expert: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Expert `expert` of a `Routing.CALLS` module runs, on the tokens of its input."""
+        calls = self._calls[index]
+        if not calls:
+            calls.append(())
+        calls[-1] = tuple(sorted({*calls[-1], expert}))
+        given = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(given, torch.Tensor) and given.dim():
+            self._tokens[index][expert] += given.numel() // max(given.shape[-1], 1)
+
     def profile(self) -> RoutingProfile:
         """The tokens routed to each expert of each module."""
         return RoutingProfile(counts=tuple((g.layer, g.module, tuple(t)) for g, t in
@@ -78,9 +93,13 @@ def record_routing(layers: Sequence[nn.Module]) -> Iterator[RoutingRecord]:
         raise PlanError("the layers hold no experts module (none found by shape: see offload.model.experts)",
                         name="layers", value=len(layers))
     record = RoutingRecord(groups)
-    handles = []
+    handles: list[RemovableHandle] = []
     for index, group in enumerate(groups):
-        module = layers[group.layer].get_submodule(group.module)
+        layer = layers[group.layer]
+        module = layer.get_submodule(group.module)
+        if group.routing is Routing.CALLS:
+            _hook_calls(record, index, layer.get_submodule(group.module.rpartition(".")[0]), module, handles)
+            continue
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], index: int = index) -> None:
             record.saw(index, args, kwargs)
@@ -91,3 +110,20 @@ def record_routing(layers: Sequence[nn.Module]) -> Iterator[RoutingRecord]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hook_calls(record: RoutingRecord, index: int, parent: nn.Module, experts: nn.Module,
+                handles: list[RemovableHandle]) -> None:
+    """Hooks for a `Routing.CALLS` module: its parent's call begins a call, each expert's
+    call adds the expert."""
+
+    def begin(module: nn.Module, args: tuple[Any, ...]) -> None:
+        record.begin(index)
+
+    handles.append(parent.register_forward_pre_hook(begin))
+    for expert, child in enumerate(experts.children()):
+
+        def called(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], expert: int = expert) -> None:
+            record.called(index, expert, args, kwargs)
+
+        handles.append(child.register_forward_pre_hook(called, with_kwargs=True))

@@ -10,11 +10,15 @@ soonest (Belady's MIN, which is optimal for this model: the tests hold it equal 
 exhaustive search). No online policy does better; on traces whose calls are independent
 draws (Zipf) none does better in expectation than keeping the C most popular experts,
 which is below Belady by as much as the future tells.
+
+A step of a `Routing.CALLS` module (a ``ModuleList`` of experts) is one call of the cache
+per routed expert, in index order (`calls_of`), in both.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 
@@ -26,7 +30,7 @@ from offload.pure.experts.policy import admit, initial_state
 from offload.pure.experts.values import ExpertCachePlan, RoutingTrace
 from offload.pure.spec.experts import ExpertGroup
 
-__all__ = ["BELADY", "GroupReplay", "Replay", "belady", "replay", "zipf_trace"]
+__all__ = ["BELADY", "GroupReplay", "Replay", "belady", "calls_of", "replay", "zipf_trace"]
 
 #: `GroupReplay.policy` of a `belady` result.
 BELADY = "belady"
@@ -138,6 +142,13 @@ def _plans_for(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace) -> tuple
     return tuple(chosen)
 
 
+def calls_of(group: ExpertGroup, routed: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The cache's calls for one step's routed experts of `group`: one call of them all,
+    or, for a `Routing.CALLS` module, one per expert in index order, as a parent's loop
+    over its experts calls them (and as the executor then admits them)."""
+    return [routed] if group.fused else [(expert,) for expert in routed]
+
+
 def replay(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace) -> Replay:
     """Run every step of `trace` through the caches of `plans`, as the executor would.
 
@@ -159,12 +170,13 @@ def replay(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace) -> Replay:
     for step in trace.steps:
         nbytes = 0
         for g, (plan, routed) in enumerate(zip(chosen, step, strict=True)):
-            access = admit(plan, states[g], routed)
-            states[g] = access.state
-            totals[g][0] += len(access.hits)
-            totals[g][1] += len(access.misses)
-            totals[g][2] += len(access.evicted)
-            nbytes += len(access.misses) * plan.group.expert_bytes
+            for call in calls_of(plan.group, routed):
+                access = admit(plan, states[g], call)
+                states[g] = access.state
+                totals[g][0] += len(access.hits)
+                totals[g][1] += len(access.misses)
+                totals[g][2] += len(access.evicted)
+                nbytes += len(access.misses) * plan.group.expert_bytes
         step_bytes.append(nbytes)
     groups = tuple(
         GroupReplay(layer=plan.group.layer, module=plan.group.module, policy=plan.policy.value,
@@ -227,7 +239,14 @@ def belady(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace) -> Replay:
         PlanError: as `replay`.
     """
     chosen = _plans_for(plans, trace)
-    per_group = [_belady_group(plan, [step[g] for step in trace.steps]) for g, plan in enumerate(chosen)]
+    per_group = []
+    for g, plan in enumerate(chosen):
+        calls = [calls_of(plan.group, step[g]) for step in trace.steps]
+        misses, evictions = _belady_group(plan, [call for step in calls for call in step])
+        # Back to steps: each step's calls are consecutive.
+        ends = list(itertools.accumulate(len(step) for step in calls))
+        per_group.append(([sum(misses[end - len(step):end]) for end, step in zip(ends, calls, strict=True)],
+                          evictions))
     groups = []
     for g, (plan, (misses, evictions)) in enumerate(zip(chosen, per_group, strict=True)):
         routed = sum(len(step[g]) for step in trace.steps)

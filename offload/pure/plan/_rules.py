@@ -83,7 +83,7 @@ def check_plan(plan: PlanFields) -> None:
 
 def _check_experts(plan: PlanFields) -> None:
     """Each expert cache serves one experts module of an offloaded layer, once, whose
-    parameters the plan prefetches with E rows each (`ExpertGroup`)."""
+    parameters the plan prefetches, with E rows each where they are fused (`ExpertGroup`)."""
     seen: set[tuple[int, str]] = set()
     offloaded = set(plan.offloaded_layers)
     by_ref = {(p.layer, p.name): p for p in plan.params} if plan.experts else {}
@@ -96,10 +96,11 @@ def _check_experts(plan: PlanFields) -> None:
         seen.add(key)
         for name in group.params:
             p = by_ref.get((group.layer, name))
-            if (p is None or p.placement is not Placement.PREFETCH or p.tied_to is not None or not p.shape
-                    or p.shape[0] != group.num_experts):
-                raise PlanError(f"experts[{j}]: parameter {group.layer}:{name} is not prefetched with "
-                                f"{group.num_experts} rows", name=f"experts[{j}].params", value=name)
+            if (p is None or p.placement is not Placement.PREFETCH or p.tied_to is not None
+                    or group.fused and (not p.shape or p.shape[0] != group.num_experts)):
+                rows = f" with {group.num_experts} rows" if group.fused else ""
+                raise PlanError(f"experts[{j}]: parameter {group.layer}:{name} is not prefetched{rows}",
+                                name=f"experts[{j}].params", value=name)
 
 
 #: The placements each backend runs; an executor refuses, or silently ignores, others.

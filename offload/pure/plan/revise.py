@@ -148,7 +148,7 @@ def demote_to_on_demand(plan: OffloadPlan, refs: Collection[Ref], reason: str) -
 
 def _caches_kept(plan: OffloadPlan, kept: Sequence[ParamPlan]) -> tuple[ExpertCachePlan, ...]:
     """The expert caches whose parameters are all still prefetched as planned, E rows each
-    (a replaced or deleted expert weight leaves its module streamed whole)."""
+    where fused (a replaced or deleted expert weight leaves its module streamed whole)."""
     if not plan.experts:
         return ()
     by_ref = {(p.layer, p.name): p for p in kept}
@@ -156,7 +156,7 @@ def _caches_kept(plan: OffloadPlan, kept: Sequence[ParamPlan]) -> tuple[ExpertCa
     for cache in plan.experts:
         group = cache.group
         entries = [by_ref.get((group.layer, name)) for name in group.params]
-        if all(p is not None and p.placement is Placement.PREFETCH and p.tied_to is None and p.shape
-               and p.shape[0] == group.num_experts for p in entries):
+        if all(p is not None and p.placement is Placement.PREFETCH and p.tied_to is None
+               and (not group.fused or p.shape and p.shape[0] == group.num_experts) for p in entries):
             out.append(cache)
     return tuple(out)

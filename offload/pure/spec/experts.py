@@ -3,9 +3,10 @@ of B bytes each (`ExpertGroup`), beside the layer's other (non-expert) weights.
 
 An experts module keeps every expert's weights in tensors with a leading dimension E (the
 fused layout of transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], and
-gpt-oss's biases [E, X]); expert ``j`` is row ``j`` of each, a contiguous run of bytes. The
-shell finds them (`offload.model.experts`); the cache that serves them is planned in
-`offload.pure.experts`.
+gpt-oss's biases [E, X]); expert ``j`` is row ``j`` of each, a contiguous run of bytes. Or
+it is a ``ModuleList`` of E expert modules alike (older and custom models: `Routing.CALLS`),
+expert ``j`` the parameters of its j-th child. The shell finds them
+(`offload.model.experts`); the cache that serves them is planned in `offload.pure.experts`.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ class Routing(enum.Enum):
         each scaled by its expert's router score, which is zero for an unrouted expert: the
         experts whose block holds a non-zero run (Llama 4). An unrouted expert's block is
         exact zeros, so its output is exact zeros whatever finite weights its row holds.
+
+    CALLS: a ``ModuleList`` of E expert modules, each called with the tokens routed to it
+        by its parent's forward; an expert that is not called does not run. Each call of
+        an expert is one call of the cache (`offload.pure.experts.policy.admit` with that
+        one expert).
     """
 
     INDICES = "indices"
     SCORES = "scores"
+    CALLS = "calls"
 
 
 def _names(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -53,7 +60,9 @@ class ExpertGroup:
         num_experts: E, the experts it holds (2 or more).
         params: its parameters' names relative to the layer (``mlp.experts.gate_up_proj``),
             in ``named_parameters()`` order; each has leading dimension E and rows that
-            are contiguous (stride[0] equal to the row's element count).
+            are contiguous (stride[0] equal to the row's element count). `Routing.CALLS`:
+            every expert's parameters, expert by expert (``mlp.experts.0.w1.weight``, ...,
+            ``mlp.experts.7.w3.weight``), the same number for each, alike in shape.
         expert_bytes: B, the bytes of one expert over all of `params` (each tensor's
             bytes divided by E).
         routing: how the module is told which experts run.
@@ -71,11 +80,28 @@ class ExpertGroup:
         """Bytes of all its experts: E x B."""
         return self.num_experts * self.expert_bytes
 
+    @property
+    def fused(self) -> bool:
+        """Whether its parameters hold E rows each (else one expert's parameters each:
+        `Routing.CALLS`)."""
+        return self.routing is not Routing.CALLS
+
+    @property
+    def kinds(self) -> int:
+        """The parameters of one expert: all of `params` when fused, else len(params) / E."""
+        return len(self.params) if self.fused else len(self.params) // self.num_experts
+
+    def expert_params(self, expert: int) -> tuple[str, ...]:
+        """The names of expert `expert`'s own parameters (`Routing.CALLS`)."""
+        k = self.kinds
+        return self.params[expert * k:(expert + 1) * k]
+
 
 def check_groups(groups: tuple[ExpertGroup, ...], layers: tuple[Any, ...]) -> None:
     """Raise `PlanError` unless every group matches the layers it names (`LayerSpec`s):
     its layer exists, each of its parameters is in that layer with leading dimension E and
-    contiguous rows, B is their bytes over E, and no layer holds one module twice.
+    contiguous rows (`Routing.CALLS`: each expert's parameters under ``module.j.``, alike),
+    B is their bytes over E, and no layer holds one module twice.
 
     Args:
         groups: the expert groups of a model.
@@ -90,6 +116,9 @@ def check_groups(groups: tuple[ExpertGroup, ...], layers: tuple[Any, ...]) -> No
             raise PlanError(f"{where} is given twice", name="module", value=group.module)
         seen.add((group.layer, group.module))
         by_name = {p.name: p for p in layers[group.layer].params}
+        if not group.fused:
+            _check_calls(group, by_name, where)
+            continue
         total = 0
         for name in group.params:
             param = by_name.get(name)
@@ -107,3 +136,32 @@ def check_groups(groups: tuple[ExpertGroup, ...], layers: tuple[Any, ...]) -> No
         if total != group.expert_bytes * group.num_experts:
             raise PlanError(f"{where}: its parameters hold {total} bytes, not {group.num_experts} x "
                             f"{group.expert_bytes}", name="expert_bytes", value=group.expert_bytes)
+
+
+def _check_calls(group: ExpertGroup, by_name: dict[str, Any], where: str) -> None:
+    """A `Routing.CALLS` group: E experts of the same parameters under ``module.j.``, alike
+    in shape and dtype, whose bytes over all of them are E x B."""
+    e = group.num_experts
+    if len(group.params) % e:
+        raise PlanError(f"{where}: {len(group.params)} parameters are not the same number for each of {e} experts",
+                        name="params", value=len(group.params))
+    first: list[tuple[str, tuple[int, ...], str]] = []
+    total = 0
+    for j in range(e):
+        prefix = f"{group.module}.{j}."
+        alike = []
+        for name in group.expert_params(j):
+            param = by_name.get(name)
+            if param is None or not name.startswith(prefix):
+                raise PlanError(f"{where}: expert {j} has no parameter {name!r} under {prefix!r}", name=name,
+                                value=group.layer)
+            alike.append((name[len(prefix):], param.shape, param.dtype))
+            total += param.nbytes
+        if j == 0:
+            first = alike
+        elif alike != first:
+            raise PlanError(f"{where}: expert {j}'s parameters {alike} are not expert 0's {first}", name="params",
+                            value=j)
+    if total != group.expert_bytes * e:
+        raise PlanError(f"{where}: its parameters hold {total} bytes, not {e} x {group.expert_bytes}",
+                        name="expert_bytes", value=group.expert_bytes)

@@ -10,6 +10,7 @@ import functools
 import itertools
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from offload.errors import PlanError
 from offload.pure.experts.policy import admit, initial_state
 from offload.pure.experts.replay import BELADY, Replay, belady, replay, zipf_trace
 from offload.pure.experts.values import CachePolicy, ExpertCachePlan, RoutingTrace
+from offload.pure.spec.experts import ExpertGroup, Routing
 from tests.pure.experts.cases import cache_cases, group, plan, trace_of
 
 Calls = tuple[tuple[int, ...], ...]
@@ -212,3 +214,32 @@ def test_the_default_policy_is_within_a_point_of_the_online_bound_on_zipf(expert
     # Belady's optimum knows the future: on these traces it is more than 5 points above
     # what any online policy can expect, so "within 5 points of Belady" is out of reach.
     assert optimum - bound > 0.05
+
+
+def _calls_group(num_experts: int, expert_bytes: int = 1000) -> ExpertGroup:
+    """A ModuleList of experts (`Routing.CALLS`): one weight per expert."""
+    return ExpertGroup(layer=0, module="moe.experts", num_experts=num_experts,
+                       params=tuple(f"moe.experts.{j}.weight" for j in range(num_experts)),
+                       expert_bytes=expert_bytes, routing=Routing.CALLS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cache_cases(max_experts=6, max_calls=8))
+def test_a_list_of_experts_is_replayed_one_call_per_routed_expert(case: tuple[ExpertCachePlan, Calls]) -> None:
+    """A step of a `Routing.CALLS` module is one call per routed expert, in index order:
+    its replay and Belady are those of the fused module on the trace of single calls,
+    summed back per step."""
+    fused, calls = case
+    listed = attrs.evolve(fused, group=_calls_group(fused.group.num_experts, fused.group.expert_bytes))
+    steps = tuple((c,) for c in calls)
+    singles = tuple(((e,),) for c in calls for e in c)
+    owner = [t for t, c in enumerate(calls) for _ in c]
+    for run in (replay, belady):
+        got = run((listed,), RoutingTrace(groups=(listed.group,), steps=steps))
+        want = run((fused,), trace_of((fused,), singles))
+        assert (got.hits, got.misses) == (want.hits, want.misses)
+        assert got.groups[0].evictions == want.groups[0].evictions
+        per_step = [0] * len(calls)
+        for t, nbytes in zip(owner, want.step_bytes, strict=True):
+            per_step[t] += nbytes
+        assert got.step_bytes == tuple(per_step)
