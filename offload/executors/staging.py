@@ -21,6 +21,7 @@ import torch
 from offload.errors import ExecutionError
 from offload.executors.common import Ref, torch_dtype
 from offload.logs import logger
+from offload.pure.disk.params import staged
 from offload.pure.disk.tier import DiskTierPlan, next_occupants, staging_layout
 from offload.pure.spec.values import ParamSpec
 from offload.runtime.diskio import DiskReader, ReadHandle, Source
@@ -71,7 +72,7 @@ class StagingRing:
         self._position_of: dict[Ref, int] = {}  # each disk parameter's position
         self._views: dict[int, dict[Ref, torch.Tensor]] = {}
         for position, layer in self._layer_of.items():
-            params = [p for p in tier.params if p.layer == layer]
+            params = [p for p in staged(tier.params) if p.layer == layer]  # not those read in place
             offsets = layout.get(layer, ((), 0))[0]
             buffer = self._buffers[self._buffer_of[position]]
             reads: list[tuple[Ref, Source, int, int, int]] = []
@@ -130,6 +131,10 @@ class StagingRing:
     def following(self) -> Mapping[int, int]:
         """The cycle expected to run after each cycle (what the next occupants follow)."""
         return dict(self._following)
+
+    def stages(self, ref: Ref) -> bool:
+        """Whether the ring reads `ref` (a disk parameter not read in place)."""
+        return ref in self._position_of
 
     def views(self, position: int) -> Mapping[Ref, torch.Tensor]:
         """Each parameter of disk `position`, as it lies in its staging buffer once

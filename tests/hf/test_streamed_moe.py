@@ -22,7 +22,8 @@ from offload.cli import main
 from offload.hf import find_stacks, offload_pretrained
 from offload.hf.conversions import LiveSource, Piece, live_sources, spill_runs
 from offload.model.checkpoint import checkpoint_extents
-from offload.pure.disk.tier import DiskSource
+from offload.pure.disk.params import READ_BLOCK
+from offload.pure.disk.tier import DiskSource, staging_layout
 from offload.runtime.cpu import CpuRuntime
 from tests.executors.disk_helpers import plan_tier, weights
 from tests.hf.checkpoints import VOCAB
@@ -145,3 +146,52 @@ def test_a_piece_that_is_no_contiguous_run_is_refused_for_the_spill_file() -> No
     with pytest.raises(CheckpointError, match="contiguous") as caught:
         spill_runs(columns, 4)
     assert caught.value.name == "w" and caught.value.value == "a"
+
+
+def _disk_moe(name: str, folder: Path, spill: Path) -> tuple[Any, Any, Any]:
+    """(the model loaded with a disk tier, its offloader, the model transformers loads)."""
+    checkpoint, reference = _save(name, folder)
+    spill.mkdir()
+    # Three of the four layers on disk, more than the ring's two buffers: each pass reads them.
+    budget = plan_tier(reference, checkpoint, config=CONFIG, disk_layers=3)[1].host_budget_bytes
+    model, offloader = offload_pretrained(checkpoint, CONFIG, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                          host_budget_bytes=budget, spill_dir=spill)
+    return model, offloader, reference
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])  # fused at load and spilled; read from the checkpoint
+def test_a_disk_tier_reads_the_experts_in_place_only_as_missed(name: str, tmp_path: Path) -> None:
+    """The expert caches read their misses from the files; the staging ring reads only a
+    disk layer's other weights, so a pass reads far fewer bytes than the layers hold."""
+    model, offloader, reference = _disk_moe(name, tmp_path / "c", tmp_path / "s")
+    tier = offloader.disk_tier
+    plan = offloader.plan
+    experts = {(c.layer, n) for c in plan.experts for n in c.group.params}
+    on_disk = set(tier.disk_layers)
+    assert {(p.layer, p.name) for p in tier.params if p.in_place} == {r for r in experts if r[0] in on_disk}
+    staged = sum(p.nbytes for p in tier.params if not p.in_place)
+    assert staged < tier.disk_bytes / 4  # the experts are most of a MoE layer
+    spans = staging_layout(tier)
+    assert tier.staging_bytes == max(spans[layer][1] for layer in on_disk)
+    before = offloader.stats().disk_bytes_read
+    passes = 3
+    for _ in range(passes):
+        assert torch.equal(_logits(model), _logits(reference))
+    read = offloader.stats().disk_bytes_read - before
+    slack = READ_BLOCK * len(tier.params)  # a read may start a block early
+    assert 0 < read <= passes * (staged + slack) < passes * tier.disk_bytes
+    offloader.restore()
+    _same_weights(model, reference)
+
+
+def test_new_weights_reach_the_disk_tiers_expert_caches(tmp_path: Path) -> None:
+    """New weights for disk-tier MoE layers go to the spill file, and the caches read the
+    experts they miss from there, not from the files they read before."""
+    model, offloader, _ = _disk_moe("qwen3_moe", tmp_path / "c", tmp_path / "s")
+    assert offloader.disk_tier.disk_layers and offloader.plan.experts
+    twin = build_moe("qwen3_moe", 4, seed=1).eval()
+    assert not torch.equal(_logits(model), _logits(twin))
+    offloader.load_weights({name: t.clone() for name, t in twin.state_dict().items()})
+    assert torch.equal(_logits(model), _logits(twin))
+    offloader.restore()
+    _same_weights(model, twin)

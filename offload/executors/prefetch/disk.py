@@ -233,7 +233,8 @@ class DiskStream:
             store.put(ref, copy)  # the store asks the disk host, which takes the copy it made
         if self._ring is not None and made:
             sources = self.host.sources
-            self._ring.move({ref: sources[ref] for ref, _ in made})
+            # Those read in place (an expert cache's) are read from their new copies by the cache.
+            self._ring.move({ref: sources[ref] for ref, _ in made if self._ring.stages(ref)})
         log.debug("%d disk-tier weights took new values: written to the spill file, read from there", len(made))
 
     def start(self, plan: OffloadPlan, rt: Runtime) -> None:

@@ -13,7 +13,7 @@ from offload.errors import PlanError
 from offload.pure._checks import int_at_least
 from offload.pure.spec.extents import DiskExtent
 
-__all__ = ["READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource", "layout", "residue", "ring_bytes"]
+__all__ = ["READ_BLOCK", "STAGING_ALIGN", "DiskParam", "DiskSource", "layout", "residue", "ring_bytes", "staged"]
 
 
 #: Where a parameter whose file offset is not element-aligned starts in its staging
@@ -65,6 +65,9 @@ class DiskParam:
         extent: CHECKPOINT: its bytes in the checkpoint; SPILL: None (the spill file's
             layout is the offloader's).
         reason: SPILL: why it is not read from the checkpoint; CHECKPOINT: empty.
+        in_place: a parameter of an expert cache (`OffloadPlan.experts`): the cache reads
+            the experts it misses from its file, expert by expert, and the staging ring
+            never reads it (`staged`).
     """
 
     layer: int = attrs.field(validator=int_at_least(0, PlanError))
@@ -73,6 +76,7 @@ class DiskParam:
     source: DiskSource = attrs.field(validator=attrs.validators.instance_of(DiskSource))
     extent: DiskExtent | None = None
     reason: str = ""
+    in_place: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         mapped = self.source is DiskSource.CHECKPOINT
@@ -83,6 +87,11 @@ class DiskParam:
         if self.extent is not None and self.extent.length != self.nbytes:
             raise PlanError(f"layer {self.layer} parameter {self.name!r}: {self.nbytes} bytes, but its extent holds "
                             f"{self.extent.length}", name=self.name, value=self.extent.length)
+
+
+def staged(params: Sequence[DiskParam]) -> list[DiskParam]:
+    """The parameters of `params` the staging ring reads: all but those read in place."""
+    return [p for p in params if not p.in_place]
 
 
 def layout(params: Sequence[DiskParam]) -> tuple[tuple[int, ...], int]:

@@ -34,7 +34,7 @@ from offload.pure.disk.choose import (
     tier_positions,
 )
 from offload.pure.disk.estimate import estimate_with_tier
-from offload.pure.disk.params import layout
+from offload.pure.disk.params import layout, staged
 from offload.pure.disk.tier import (
     DiskTierPlan,
     disk_params_by_layer,
@@ -75,7 +75,7 @@ class TierSearch:
         self._names, self._tensors, self._extents, self._files = tuple(layer_names), tensors, extents, tuple(files)
         self._layer_bytes = layer_bytes_of(every)
         owned = disk_params_by_layer(every, layer_names, tensors or {}, extents or {})
-        self._staged = {layer: layout(found)[1] for layer, found in owned.items()}
+        self._staged = {layer: layout(staged(found))[1] for layer, found in owned.items()}
         self._tied = frozenset(tied_layers(every))
 
     @property
@@ -133,16 +133,18 @@ def tier_search(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, *, ho
                 disk_gbps: float, read_ahead: int = 2, param_filter: Sequence[str] = (),
                 layer_names: Sequence[str] = (), tensors: Mapping[str, TensorHeader] | None = None,
                 extents: Mapping[str, DiskExtent] | None = None,
-                files: Sequence[FileIdentity] = ()) -> TierSearch:
+                files: Sequence[FileIdentity] = (), expert_cache: bool = True) -> TierSearch:
     """The `TierSearch` of `spec` for `fit` against `env` and `profile` (the plan that
-    offloads every layer is made as `fit` makes its plans: against `planning_env`).
+    offloads every layer is made as `fit` makes its plans: against `planning_env`, with
+    expert caches as `fit`'s `expert_cache` says, whose parameters are read in place).
 
     Raises:
         PlanError: `read_ahead` below 1 or `disk_gbps` not positive; `layer_names` does
             not name every layer.
     """
     every = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1,
-                                          param_filter=tuple(param_filter)), planning_env(env, profile))
+                                          param_filter=tuple(param_filter), expert_cache=expert_cache),
+                      planning_env(env, profile))
     # Validates the options as plan_disk_tier does (a budget of everything: nothing on disk).
     plan_disk_tier(every, host_budget_bytes=every.host_bytes, disk_gbps=float(disk_gbps), read_ahead=read_ahead,
                    layer_names=layer_names, tensors=tensors, extents=extents, files=files)
@@ -175,7 +177,7 @@ def fit_with_tier(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, wor
     """
     search = tier_search(spec, env, profile, host_budget_bytes=host_budget_bytes, disk_gbps=disk_gbps,
                          read_ahead=read_ahead, param_filter=param_filter, layer_names=layer_names, tensors=tensors,
-                         extents=extents, files=files)
+                         extents=extents, files=files, expert_cache=expert_cache)
     result = fit(spec, env, profile, workload, device_budget_bytes, outside_bytes=outside_bytes,
                  reserve_bytes=reserve_bytes, param_filter=param_filter, max_prefetch_step=max_prefetch_step,
                  runners_up=runners_up, host=search, expert_cache=expert_cache, expert_slots=expert_slots)

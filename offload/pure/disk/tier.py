@@ -46,7 +46,16 @@ from offload.pure.disk.choose import (
     tier_bytes,
     tier_positions,
 )
-from offload.pure.disk.params import READ_BLOCK, STAGING_ALIGN, DiskParam, DiskSource, layout, residue, ring_bytes
+from offload.pure.disk.params import (
+    READ_BLOCK,
+    STAGING_ALIGN,
+    DiskParam,
+    DiskSource,
+    layout,
+    residue,
+    ring_bytes,
+    staged,
+)
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
@@ -103,9 +112,10 @@ class DiskTierPlan:
         params: every parameter of the disk layers.
         files: the checkpoint files read, as planned (compared before each run).
         staging_bytes: bytes of each staging buffer: the largest disk layer's parameters
-            as `staging_layout` packs them.
+            as `staging_layout` packs them (those read in place left out).
         host_tier_bytes: bytes of the offloaded layers kept in host memory.
-        disk_bytes: bytes read from disk per pass.
+        disk_bytes: bytes of the disk layers' parameters: what a pass reads, at most (the
+            expert caches read only the experts they miss of those read in place).
         spill_bytes: bytes of the disk layers that go to a spill file.
         host_admission: whether the host memory the plan takes with this tier (the host
             tier, the staging ring, the buffers on a CPU) fits the machine, as
@@ -241,10 +251,11 @@ def first_reads(tier: DiskTierPlan, initial: Sequence[int]) -> tuple[int, ...]:
 
 def staging_layout(tier: DiskTierPlan) -> dict[int, tuple[tuple[int, ...], int]]:
     """Where each disk layer's parameters lie in its staging buffer: by layer, the offset
-    of each of its `DiskTierPlan.params` (in their order) and the bytes they span
+    of each of its `DiskTierPlan.params` the ring reads (`staged`: those not read in place
+    by an expert cache), in their order, and the bytes they span
     (`offload.pure.disk.params.layout`: congruent with the files, runs as in the file)."""
     by_layer: dict[int, list[DiskParam]] = {}
-    for p in tier.params:
+    for p in staged(tier.params):
         by_layer.setdefault(p.layer, []).append(p)
     return {layer: layout(found) for layer, found in by_layer.items()}
 
@@ -269,12 +280,17 @@ def disk_params_by_layer(plan: OffloadPlan, layer_names: Sequence[str], tensors:
                          extents: Mapping[str, DiskExtent]) -> dict[int, list[DiskParam]]:
     """Where each offloaded layer's parameters would be read from, were the layer on disk
     (the checkpoint where its bytes lie as the model holds them, else a spill file), by
-    layer, in plan order."""
+    layer, in plan order; an expert cache's parameters are read in place
+    (`DiskParam.in_place`)."""
+    in_place = {(c.layer, name) for c in plan.experts for name in c.group.params}
     owned: dict[int, list[DiskParam]] = {}
     for p in plan.offloaded_params:
         if p.tied_to is None:
             full = f"{layer_names[p.layer]}.{p.param.name}" if layer_names else None
-            owned.setdefault(p.layer, []).append(_disk_param(p.layer, full, p.param, tensors, extents))
+            found = _disk_param(p.layer, full, p.param, tensors, extents)
+            if (p.layer, p.param.name) in in_place:
+                found = attrs.evolve(found, in_place=True)
+            owned.setdefault(p.layer, []).append(found)
     return owned
 
 
@@ -331,13 +347,13 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
                         value=len(layer_names))
     layer_bytes = layer_bytes_of(plan)
     owned = disk_params_by_layer(plan, layer_names, tensors or {}, extents or {})
-    staged = {layer: layout(found)[1] for layer, found in owned.items()}  # a layer in a staging buffer
+    staging = {layer: layout(staged(found))[1] for layer, found in owned.items()}  # a layer in a staging buffer
     positions = plan.offloaded_layers
     candidates = disk_candidates(len(positions), plan.schedule.kept_positions, tied_layers(plan), positions)
-    chosen = tier_positions(positions, layer_bytes, staged, candidates, host_budget_bytes=host_budget_bytes,
+    chosen = tier_positions(positions, layer_bytes, staging, candidates, host_budget_bytes=host_budget_bytes,
                             read_ahead=read_ahead)
     if chosen is None:
-        host, ring = tier_bytes(positions, layer_bytes, staged, candidates, read_ahead)
+        host, ring = tier_bytes(positions, layer_bytes, staging, candidates, read_ahead)
         raise refuse_budget(host_budget_bytes, host, ring, len(candidates), read_ahead)
     would = [d for found in owned.values() for d in found]
     total = sum(layer_bytes.get(layer, 0) for layer in positions)
@@ -354,7 +370,7 @@ def plan_disk_tier(plan: OffloadPlan, *, host_budget_bytes: int, disk_gbps: floa
         disk_positions=disk, disk_layers=disk_layers, read_order=read_order,
         staging=tuple(k % read_ahead for k in range(len(read_order))), params=params,
         files=tuple(f for f in files if f.path in used),
-        staging_bytes=max((staged.get(layer, 0) for layer in disk_layers), default=0),
+        staging_bytes=max((staging.get(layer, 0) for layer in disk_layers), default=0),
         host_tier_bytes=total - disk_bytes, disk_bytes=disk_bytes,
         spill_bytes=sum(p.nbytes for p in params if p.source is DiskSource.SPILL))
     if env is None:
