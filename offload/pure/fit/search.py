@@ -342,8 +342,10 @@ def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best:
             f"{chosen.device_bytes}, {chosen.host_bytes} and {chosen.step_seconds} s; please report this",
             name="config", value=best.config,
         )
-    if size_caches and plan.experts:
-        config = _sized(best.config, plan, budget - chosen.device_bytes)
+    if size_caches and (plan.experts or best.config.expert_slots is not None):
+        # (A winner without caches, its MoE layers resident, states no C.)
+        config = _sized(best.config, plan, budget - chosen.device_bytes) if plan.experts else \
+            attrs.evolve(best.config, expert_slots=None)
         if config != best.config:
             plan = make_plan(spec, config, penv)
             chosen = attrs.evolve(chosen, config=config, buffer_bytes=plan.device_bytes_buffers)
