@@ -93,8 +93,8 @@ def wrap(model: nn.Module, layers: Sequence[nn.Module], plan: OffloadPlan, tier:
 
 def read_per_pass(tier: DiskTierPlan) -> int:
     """Bytes a pass reads: the disk layers that share their staging buffer (a layer alone
-    in its buffer is read once and stays)."""
+    in its buffer is read once and stays), but for what the expert caches read in place."""
     layer_at = dict(zip(tier.disk_positions, tier.disk_layers, strict=True))
     sharing = {layer_at[position] for k, position in enumerate(tier.read_order)
                if tier.staging.count(tier.staging[k]) > 1}
-    return sum(p.nbytes for p in tier.params if p.layer in sharing)
+    return sum(p.nbytes for p in tier.params if p.layer in sharing and not p.in_place)

@@ -23,9 +23,10 @@ from tests.hf.checkpoints import save, step_logits
 
 
 def _offload(model: PreTrainedModel, tmp_path: Path, checkpoint: Path | None) -> ModelOffloader:
-    """Offloaded with a host budget one byte short of the plan's host copies: the fewest
-    last layers that make it fit go to disk."""
-    budget = plan_tier(model, checkpoint)[0].host_bytes - 1
+    """Offloaded with a host budget that puts three layers on disk, more than the ring's
+    two buffers (a MoE layer's staging leaves its experts out, so one byte short of the
+    host copies would put only one there, read once and kept)."""
+    budget = plan_tier(model, checkpoint, disk_layers=3)[1].host_budget_bytes
     return offload_model(model, PLAN, env=EnvSnapshot(), runtime=CpuRuntime(), host_budget_bytes=budget,
                          checkpoint=checkpoint, spill_dir=tmp_path)
 

@@ -189,7 +189,8 @@ def test_new_weights_reach_the_disk_tiers_expert_caches(tmp_path: Path) -> None:
     experts they miss from there, not from the files they read before."""
     model, offloader, _ = _disk_moe("qwen3_moe", tmp_path / "c", tmp_path / "s")
     assert offloader.disk_tier.disk_layers and offloader.plan.experts
-    twin = build_moe("qwen3_moe", 4, seed=1).eval()
+    twin: Any = build_moe("qwen3_moe", 4, seed=1)
+    twin.eval()
     assert not torch.equal(_logits(model), _logits(twin))
     offloader.load_weights({name: t.clone() for name, t in twin.state_dict().items()})
     assert torch.equal(_logits(model), _logits(twin))

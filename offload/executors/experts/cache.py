@@ -117,6 +117,20 @@ class _Cache:
                             misses=self.misses, evictions=self.evictions, bytes_copied=self.bytes_copied)
 
 
+def _refuse_capture(rt: Runtime, group: ExpertGroup, how: str) -> None:
+    if rt.is_capturing():
+        raise ExecutionError(f"layer {group.layer} {group.module}: its experts are copied {how}, which a CUDA graph "
+                             "cannot capture; offload it with expert_cache=False to capture it", name=group.module,
+                             value=group.layer)
+
+
+def _compiled_around(serving_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`serving_forward` with torch.compile breaking its graph there: the copies depend on
+    the routing (Note [expert cache])."""
+    disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
+    return disabled
+
+
 def _host_rows(group: ExpertGroup, hosts: Callable[[Ref], torch.Tensor]) -> list[Rows]:
     """The host copies of `group`'s parameters, per kind (`_Cache`)."""
     copies = [hosts((group.layer, name)) for name in group.params]
@@ -220,10 +234,7 @@ class ExpertCaches:
         rt = self._rt
 
         def serving_forward(*args: Any, **kwargs: Any) -> Any:
-            if rt.is_capturing():
-                raise ExecutionError(f"layer {group.layer} {group.module}: its experts are copied as the routing asks, "
-                                     "which a CUDA graph cannot capture; offload it with expert_cache=False to "
-                                     "capture it", name=group.module, value=group.layer)
+            _refuse_capture(rt, group, "as the routing asks")
             if group.routing is Routing.INDICES:
                 indices = args[1] if len(args) > 1 else kwargs.get(name or "", None)
                 routed = _routed_by_indices(group.layer, group.module, group.num_experts, indices)
@@ -233,9 +244,7 @@ class ExpertCaches:
             cache.serve(routed)
             return forward(*args, **kwargs)
 
-        # torch.compile breaks its graph here: the copies depend on the routing (Note [expert cache]).
-        disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
-        return disabled
+        return _compiled_around(serving_forward)
 
     def _serving_one(self, cache: _Cache, expert: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         """The forward of expert `expert` of a `Routing.CALLS` module: served, then run."""
@@ -243,15 +252,11 @@ class ExpertCaches:
         rt = self._rt
 
         def serving_forward(*args: Any, **kwargs: Any) -> Any:
-            if rt.is_capturing():
-                raise ExecutionError(f"layer {group.layer} {group.module}: its experts are copied as they are called, "
-                                     "which a CUDA graph cannot capture; offload it with expert_cache=False to "
-                                     "capture it", name=group.module, value=group.layer)
+            _refuse_capture(rt, group, "as they are called")
             cache.serve((expert,))
             return forward(*args, **kwargs)
 
-        disabled: Callable[..., Any] = torch.compiler.disable(serving_forward)  # type: ignore[no-untyped-call]  # unannotated in torch
-        return disabled
+        return _compiled_around(serving_forward)
 
     def reset(self) -> None:
         """New weights: every cache forgets its residents, takes its parameters' host copies
