@@ -131,11 +131,17 @@ def _compiled_around(serving_forward: Callable[..., Any]) -> Callable[..., Any]:
     return disabled
 
 
+def _per_kind(group: ExpertGroup, tensors: list[torch.Tensor]) -> list[Rows]:
+    """`tensors`, one per parameter of `group` in its order, as `_Cache` holds them: one per
+    kind where fused, else each kind's E experts' tensors (kind i of expert j is
+    ``params[j * kinds + i]``)."""
+    k = group.kinds
+    return list(tensors) if group.fused else [tensors[i::k] for i in range(k)]
+
+
 def _host_rows(group: ExpertGroup, hosts: Callable[[Ref], torch.Tensor]) -> list[Rows]:
     """The host copies of `group`'s parameters, per kind (`_Cache`)."""
-    copies = [hosts((group.layer, name)) for name in group.params]
-    k = group.kinds
-    return list(copies) if group.fused else [copies[i::k] for i in range(k)]
+    return _per_kind(group, [hosts((group.layer, name)) for name in group.params])
 
 
 def _routed_by_indices(layer: int, module: str, experts: int, indices: object) -> tuple[int, ...]:
@@ -206,15 +212,12 @@ class ExpertCaches:
                 buffer.zero_()  # rows the module reads and no expert was copied to hold finite values
             module = layers[group.layer].get_submodule(group.module)
             if group.fused:
-                rows: list[Rows] = list(buffers)
                 slots = [self._rt.device_empty((plan.slots, *b.shape[1:]), tuple(b.stride()), b.dtype)
                          for b in buffers]
-            else:  # kind i of expert j is params[j * kinds + i]
-                k = group.kinds
-                rows = [buffers[i::k] for i in range(k)]
+            else:  # one expert's shape per kind
                 slots = [self._rt.device_empty((plan.slots, *b.shape), contiguous_stride((plan.slots, *b.shape)), b.dtype)
-                         for b in buffers[:k]]
-            cache = _Cache(plan, self._rt, rows, _host_rows(group, hosts), slots)
+                         for b in buffers[:group.kinds]]
+            cache = _Cache(plan, self._rt, _per_kind(group, buffers), _host_rows(group, hosts), slots)
             cache.load_held()
             self._caches.append(cache)
             if group.fused:

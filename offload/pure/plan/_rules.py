@@ -19,7 +19,7 @@ from offload.errors import PlanError
 from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan.layout import BufferKey
 from offload.pure.plan.schedule import PrefetchSchedule, check_schedule
-from offload.pure.plan.values import Backend, BufferPlan, ParamPlan, Placement
+from offload.pure.plan.values import Backend, BufferPlan, ParamPlan, Placement, serves_cache
 
 __all__ = ["PlanFields", "check_plan"]
 
@@ -96,8 +96,7 @@ def _check_experts(plan: PlanFields) -> None:
         seen.add(key)
         for name in group.params:
             p = by_ref.get((group.layer, name))
-            if (p is None or p.placement is not Placement.PREFETCH or p.tied_to is not None
-                    or group.fused and (not p.shape or p.shape[0] != group.num_experts)):
+            if not serves_cache(group, p):
                 rows = f" with {group.num_experts} rows" if group.fused else ""
                 raise PlanError(f"experts[{j}]: parameter {group.layer}:{name} is not prefetched{rows}",
                                 name=f"experts[{j}].params", value=name)

@@ -11,7 +11,7 @@ from offload.pure.config import OffloadConfig
 from offload.pure.experts.profile import check_profile, held_from_profile
 from offload.pure.experts.size import check_slots, default_slots
 from offload.pure.experts.values import ExpertCachePlan
-from offload.pure.plan.values import ParamPlan, Placement
+from offload.pure.plan.values import ParamPlan, serves_cache
 from offload.pure.spec.values import ModelSpec
 
 __all__ = ["plan_expert_caches"]
@@ -39,8 +39,7 @@ def plan_expert_caches(spec: ModelSpec, config: OffloadConfig, params: Sequence[
     by_ref = {(p.layer, p.name): p for p in params if p.layer in layers}
     caches: list[ExpertCachePlan] = []
     for group in spec.experts:
-        entries = [by_ref.get((group.layer, name)) for name in group.params]
-        if not all(p is not None and p.placement is Placement.PREFETCH and p.tied_to is None for p in entries):
+        if not all(serves_cache(group, by_ref.get((group.layer, name))) for name in group.params):
             continue
         slots = config.expert_slots if config.expert_slots is not None else default_slots(group)
         profile = config.routing_profile

@@ -18,6 +18,7 @@ from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan.layout import prefetch_buffers
 from offload.pure.plan.plan import OffloadPlan, ParamPlan, Placement, PlanWarning, WarningCode
 from offload.pure.plan.schedule import schedule_prefetch
+from offload.pure.plan.values import serves_cache
 from offload.pure.spec.values import ParamSpec
 
 __all__ = ["demote_to_on_demand", "revise_plan"]
@@ -155,8 +156,6 @@ def _caches_kept(plan: OffloadPlan, kept: Sequence[ParamPlan]) -> tuple[ExpertCa
     out = []
     for cache in plan.experts:
         group = cache.group
-        entries = [by_ref.get((group.layer, name)) for name in group.params]
-        if all(p is not None and p.placement is Placement.PREFETCH and p.tied_to is None
-               and (not group.fused or p.shape and p.shape[0] == group.num_experts) for p in entries):
+        if all(serves_cache(group, by_ref.get((group.layer, name))) for name in group.params):
             out.append(cache)
     return tuple(out)

@@ -13,6 +13,7 @@ import attrs
 from offload.errors import PlanError
 from offload.pure._checks import int_at_least, is_str, tuple_of_ints
 from offload.pure._slots import slot_setters
+from offload.pure.spec.experts import ExpertGroup
 from offload.pure.spec.values import ParamSpec
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "Placement",
     "PlanWarning",
     "WarningCode",
+    "serves_cache",
     "trusted_param_plan",
 ]
 
@@ -247,3 +249,10 @@ class BufferPlan:
     def nbytes(self) -> int:
         """Device bytes of all its slots."""
         return self.slot_bytes * len(self.slots)
+
+
+def serves_cache(group: ExpertGroup, p: ParamPlan | None) -> bool:
+    """Whether `p`, the plan of one of `group`'s parameters, is one an expert cache serves:
+    prefetched, untied, and with E rows where the experts are fused."""
+    return (p is not None and p.placement is Placement.PREFETCH and p.tied_to is None
+            and (not group.fused or bool(p.shape) and p.shape[0] == group.num_experts))
