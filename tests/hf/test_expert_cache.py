@@ -197,6 +197,30 @@ def test_check_lists_each_caches_residents_and_counts_their_bytes() -> None:
     assert found.ok  # the experts' slots are not compared with their host copies
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "llama4"])
+def test_every_layers_experts_read_one_set_of_rows_per_key_and_the_device_holds_what_the_plan_says(
+        name: str) -> None:
+    """Six layers in several prefetch slots: the experts' rows of every layer are one device
+    buffer per key (`BufferPlan.shared`), the other weights one per slot; outputs exact."""
+    expected = _decode(build_moe(name, 6), 4)
+    model = build_moe(name, 6)
+    offloader = _offload(model)
+    plan = offloader.plan
+    group = plan.experts[0].group
+    buffers = {b.name: b for b in plan.buffers}
+    assert {n for n, b in buffers.items() if b.shared} == set(group.params)
+    assert all(len(b.slots) > 1 for b in buffers.values())  # the layers take turns in them
+    layers = model.model.layers
+    for param in group.params:
+        assert len({layer.get_parameter(param).untyped_storage().data_ptr() for layer in layers}) == 1
+    other = next(n for n, b in buffers.items() if not b.shared)
+    assert len({layer.get_parameter(other).untyped_storage().data_ptr() for layer in layers}) == len(buffers[other].slots)
+    stats = offloader.stats()
+    assert stats.device_buffer_bytes == plan.device_bytes_buffers
+    assert offloader.check().device_bytes_held == plan.device_bytes_resident + plan.device_bytes_buffers
+    assert _equal(_decode(model, 4), expected)
+
+
 def test_a_cuda_graph_capture_is_refused_naming_the_layer_before_touching_the_device() -> None:
     from offload.graphs import capture_forward
 

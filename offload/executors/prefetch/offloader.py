@@ -224,9 +224,10 @@ class PrefetchOffloader(NewWeights):
         for b in plan.buffers:
             dtype = torch_dtype(b.dtype)
             slots = self._buffers.setdefault(b.key, {})
-            for slot in b.slots:
+            one = self._rt.device_empty(b.shape, b.stride, dtype) if b.shared and b.slots else None
+            for slot in b.slots:  # a shared key's one buffer in all of them (expert rows, Note [expert cache])
                 if slot not in slots:
-                    slots[slot] = self._rt.device_empty(b.shape, b.stride, dtype)
+                    slots[slot] = one if one is not None else self._rt.device_empty(b.shape, b.stride, dtype)
         position_of = {index: i for i, index in enumerate(plan.offloaded_layers)}
         self._position_of = position_of
         # A kept position (the only owner of its slot) is loaded by the first copies and

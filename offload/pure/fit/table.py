@@ -12,7 +12,8 @@ Parameter cannot point at two layers' buffers), so no layer set holds one; UVA m
 The expert caches of a mixture-of-experts model (`offload.pure.plan.experts`) are device
 memory beside the slots: the table holds, per layer, what its caches take at the search's
 C (the user's `expert_slots`, or one slot each: `fit` sizes the winner's afterwards), and
-`buffer_bytes` counts them with the slots.
+`buffer_bytes` counts them with the slots. The rows the caches serve are one buffer per key
+for all slots (`BufferPlan.shared`), counted once (`Expanded.rows_bytes`).
 
 A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
 with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -92,6 +93,7 @@ class Table:
     outside: int  # weights outside the layers, always resident, bytes
     stack_ranges: tuple[tuple[int, int], ...] = ()  # the model's stacks, (first, stop) layers each
     cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
+    cache_keys: tuple[frozenset[Key], ...] = ()  # per layer: the buffer keys its caches serve; (): none
     expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
     # The search's C, its plans' `OffloadConfig.expert_slots`: the user's, or 1 where the
     # model has caches to cost.
@@ -119,6 +121,7 @@ class Expanded:
     keys: tuple[tuple[int, tuple[int, ...]], ...]  # per buffer key: (slot bytes, kinds using it)
     cycles: tuple[int, ...] = ()  # positions per schedule cycle (one per stack); (): one cycle
     cache_bytes: int = 0  # the expert caches of its layers
+    rows_bytes: int = 0  # the keys that are one buffer for all slots (expert rows), not in `keys`
 
 
 def _key(param: ParamSpec) -> Key:
@@ -149,7 +152,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
     layer_bytes, layer_has = [0] * num, [False] * num
     keys: list[list[tuple[Key, int]]] = [[] for _ in range(num)]
     uva: list[tuple[int, tuple[tuple[int, int], ...]]] = []
-    owners: set[tuple[int, str]] = set()  # storages a prefetch plan gives a buffer of their own
+    owners: dict[tuple[int, str], Key] = {}  # storages a prefetch plan gives a buffer of their own
     for group in groups:
         first_layer, first = group[0]
         # A member in the first member's layer shares its buffer and is moved once.
@@ -166,27 +169,49 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             layer_bytes[first_layer] += first.nbytes
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
-            owners.add((first_layer, first.name))
-    caches = _cache_bytes(spec, owners, expert_slots or 1) if expert_cache else ()
+            owners[(first_layer, first.name)] = _key(first)
+    caches, cache_keys = _caches(spec, owners, expert_slots or 1) if expert_cache else ((), ())
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
-        cache_bytes=caches, expert_cache=expert_cache, expert_slots=(expert_slots or 1) if caches else expert_slots,
+        cache_bytes=caches, cache_keys=cache_keys, expert_cache=expert_cache, expert_slots=(expert_slots or 1) if caches else expert_slots,
     )
 
 
-def _cache_bytes(spec: ModelSpec, owners: set[tuple[int, str]], slots: int) -> tuple[int, ...]:
+def _caches(spec: ModelSpec, owners: Mapping[tuple[int, str], Key], slots: int
+            ) -> tuple[tuple[int, ...], tuple[frozenset[Key], ...]]:
     """Per layer, the bytes of `slots` slots of each experts module whose parameters all
     have buffers of their own when the layer is prefetched (`plan_expert_caches`' rule:
-    prefetched, untied); () when there are none."""
+    prefetched, untied), and those parameters' buffer keys; () each when there are none."""
     out = [0] * len(spec.layers)
+    keys: list[set[Key]] = [set() for _ in spec.layers]
     for group in spec.experts:
-        if all((group.layer, name) in owners for name in group.params):
+        refs = [(group.layer, name) for name in group.params]
+        if all(ref in owners for ref in refs):
             out[group.layer] += slots * group.expert_bytes
-    return tuple(out) if any(out) else ()
+            keys[group.layer].update(owners[ref] for ref in refs)
+    return (tuple(out), tuple(map(frozenset, keys))) if any(out) else ((), ())
+
+
+def _rows(table: Table, positions: Iterable[int]) -> dict[Key, int]:
+    """The buffer keys of `positions` that a prefetch plan makes one buffer for all slots
+    (`offload.pure.plan.layout.shared_keys`): each served by an expert cache wherever a
+    position has it; their slot bytes."""
+    if not table.cache_keys:
+        return {}
+    rows: dict[Key, int] = {}
+    copied: set[Key] = set()
+    for layer in positions:
+        served = table.cache_keys[layer]
+        for key, nbytes in table.layer_keys[layer]:
+            if key in served:
+                rows[key] = nbytes
+            else:
+                copied.add(key)
+    return {key: nbytes for key, nbytes in rows.items() if key not in copied}
 
 
 def _prefix_sums(values: Iterable[int]) -> list[int]:
@@ -322,26 +347,30 @@ def expand(table: Table, layer_set: LayerSet) -> Expanded:
     kinds: dict[tuple[tuple[Key, int], ...], list[int]] = {}
     for index, layer in enumerate(positions):
         kinds.setdefault(table.layer_keys[layer], []).append(index)
+    rows = _rows(table, positions)
     users: dict[Key, tuple[int, list[int]]] = {}
     for number, signature in enumerate(kinds):
         for key, nbytes in signature:
-            users.setdefault(key, (nbytes, []))[1].append(number)
+            if key not in rows:
+                users.setdefault(key, (nbytes, []))[1].append(number)
     return Expanded(layer_set=layer_set, positions=positions,
                     copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.layer_bytes)),
                     kinds=tuple(tuple(v) for v in kinds.values()),
                     keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()),
                     cycles=stack_cycles(positions, table.stack_ranges),
-                    cache_bytes=sum(table.cache_bytes[i] for i in positions) if table.cache_bytes else 0)
+                    cache_bytes=sum(table.cache_bytes[i] for i in positions) if table.cache_bytes else 0,
+                    rows_bytes=sum(rows.values()))
 
 
 def buffer_bytes(expanded: Expanded, depth: int) -> int:
     """Static buffer bytes at `depth`: each key x the slots its positions use (``i mod depth``,
-    per cycle: `cycle_slots`), and the expert caches of its layers."""
+    per cycle: `cycle_slots`), the expert rows once per key, and the expert caches of its
+    layers."""
     if expanded.cycles:
         slot_of = cycle_slots(len(expanded.positions), depth, expanded.cycles)
         slots = [{slot_of[index] for index in kind} for kind in expanded.kinds]
     else:
         slots = [{index % depth for index in kind} for kind in expanded.kinds]
-    return expanded.cache_bytes + sum(
+    return expanded.cache_bytes + expanded.rows_bytes + sum(
         nbytes * len(slots[used[0]] if len(used) == 1 else set().union(*(slots[k] for k in used)))
         for nbytes, used in expanded.keys)

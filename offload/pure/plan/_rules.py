@@ -79,6 +79,7 @@ def check_plan(plan: PlanFields) -> None:
     _check_ties(plan.params, position_of)
     _check_prefetch(plan)
     _check_experts(plan)
+    _check_shared(plan)
 
 
 def _check_experts(plan: PlanFields) -> None:
@@ -100,6 +101,24 @@ def _check_experts(plan: PlanFields) -> None:
                 rows = f" with {group.num_experts} rows" if group.fused else ""
                 raise PlanError(f"experts[{j}]: parameter {group.layer}:{name} is not prefetched{rows}",
                                 name=f"experts[{j}].params", value=name)
+
+
+def _check_shared(plan: PlanFields) -> None:
+    """A buffer that is one for all its slots (`BufferPlan.shared`) is read only by
+    parameters an expert cache serves: the copy queue, which writes a buffer per slot,
+    never copies into it."""
+    shared = {b.key: j for j, b in enumerate(plan.buffers) if b.shared}
+    if not shared:
+        return
+    served = {(c.group.layer, name) for c in plan.experts for name in c.group.params}
+    for p in plan.params:
+        if p.placement is not Placement.PREFETCH or (p.tied_to is not None and p.tied_to[0] == p.layer):
+            continue
+        j = shared.get(p.param.buffer_key)
+        if j is not None and (p.layer, p.name) not in served:
+            raise PlanError(f"buffers[{j}] is one buffer for all its slots, but parameter {p.layer}:{p.name}, "
+                            "which no expert cache serves, is copied into it", name=f"buffers[{j}].shared",
+                            value=(p.layer, p.name))
 
 
 #: The placements each backend runs; an executor refuses, or silently ignores, others.

@@ -108,7 +108,8 @@ class Arena:
 def slot_arenas(buffers: Iterable[BufferPlan]) -> tuple[Arena, ...]:
     """The arenas of a prefetch plan's static buffers: for each slot, the aligned buffers
     (`aligned`) that have that slot, in the plan's buffer order (the order of first use,
-    so a layer's buffers lie in its parameters' order). A slot with fewer than two such
+    so a layer's buffers lie in its parameters' order); a shared buffer (the expert
+    caches' rows, `BufferPlan.shared`) lies in none. A slot with fewer than two such
     buffers gets no arena (nothing to merge).
 
     Args:
@@ -119,8 +120,8 @@ def slot_arenas(buffers: Iterable[BufferPlan]) -> tuple[Arena, ...]:
     """
     keys: dict[int, list[tuple[BufferKey, int]]] = {}
     for b in buffers:
-        if not _aligned(b.slot_bytes, math.prod(b.shape), b.itemsize):
-            continue
+        if b.shared or not _aligned(b.slot_bytes, math.prod(b.shape), b.itemsize):
+            continue  # (a shared buffer is one for all its slots, and never copied into by a layer's copies)
         key: BufferKey = (b.name, b.shape, b.stride, b.dtype)
         for slot in b.slots:
             keys.setdefault(slot, []).append((key, b.slot_bytes))
@@ -235,8 +236,9 @@ def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None
     """How many copies each offloaded layer of a prefetch plan is each time it is loaded
     (in `offloaded_layers` order), laid out as the prefetch executor lays it out: one per
     buffer a layer owns, less those merged into one (`merge_spans`) because they lie back
-    to back both in the layer's host block and in its slot's arena. A layer alone in its
-    slot is loaded once only (`copies_per_step`).
+    to back both in the layer's host block and in its slot's arena, and none for the
+    parameters an expert cache serves (copied at their module's call, expert by expert).
+    A layer alone in its slot is loaded once only (`copies_per_step`).
 
     Args:
         plan: a prefetch plan (any other backend: ()).
@@ -254,9 +256,11 @@ def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None
     blocks = {b.layer: b for b in host_blocks(plan, moves)}
     arenas = {a.slot: a for a in slot_arenas(plan.buffers)} if blocks else {}
     owned: dict[int, list[Span]] = {layer: [] for layer in plan.offloaded_layers}
+    served = {(c.group.layer, name) for c in plan.experts for name in c.group.params}
     for p in plan.params:
-        if p.placement is not Placement.PREFETCH or p.slot is None or not owns_buffer(p) or p.layer not in owned:
-            continue
+        if (p.placement is not Placement.PREFETCH or p.slot is None or not owns_buffer(p) or p.layer not in owned
+                or (p.layer, p.name) in served):
+            continue  # (an expert cache's parameters are copied expert by expert, at their module's call)
         arena, block = arenas.get(p.slot), blocks.get(p.layer)
         key = p.param.buffer_key
         in_arena = arena is not None and key in arena.keys

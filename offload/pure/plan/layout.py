@@ -1,15 +1,18 @@
-"""Static buffer layout for prefetch plans: which buffer keys exist and which slots each
-needs. Shared by `make_plan` and `revise_plan`, so both lay buffers out the same way."""
+"""Static buffer layout for prefetch plans: which buffer keys exist, which slots each
+needs, and which are one buffer for all their slots (the rows of expert caches,
+`BufferPlan.shared`). Shared by `make_plan` and `revise_plan`, so both lay buffers out the
+same way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from operator import attrgetter
 
+from offload.pure.experts.values import ExpertCachePlan
 from offload.pure.plan.values import BufferPlan, ParamPlan, Placement
 from offload.pure.spec.values import ParamSpec
 
-__all__ = ["BufferKey", "layer_buffers", "owns_buffer", "prefetch_buffers"]
+__all__ = ["BufferKey", "layer_buffers", "owns_buffer", "prefetch_buffers", "shared_keys"]
 
 #: (name, shape, stride, dtype) of a static buffer.
 BufferKey = tuple[str, tuple[int, ...], tuple[int, ...], str]
@@ -23,11 +26,33 @@ def owns_buffer(p: ParamPlan) -> bool:
     return p.tied_to is None or p.tied_to[0] != p.layer
 
 
-def prefetch_buffers(params: Iterable[ParamPlan]) -> tuple[BufferPlan, ...]:
+def shared_keys(params: Iterable[ParamPlan], caches: Iterable[ExpertCachePlan]) -> frozenset[BufferKey]:
+    """The buffer keys that are one buffer for all their slots (`BufferPlan.shared`): those
+    of the parameters `caches` serve, less any key another PREFETCH parameter owning a
+    buffer also has (the copy queue writes that one per slot).
+
+    Args:
+        params: the plan's parameters.
+        caches: its expert caches (`plan_expert_caches`).
+    """
+    served = {(c.group.layer, name) for c in caches for name in c.group.params}
+    if not served:
+        return frozenset()
+    mine: set[BufferKey] = set()
+    others: set[BufferKey] = set()
+    prefetch = Placement.PREFETCH
+    for p in params:
+        if p.placement is prefetch and owns_buffer(p):
+            (mine if (p.layer, p.name) in served else others).add(p.param.buffer_key)
+    return frozenset(mine - others)
+
+
+def prefetch_buffers(params: Iterable[ParamPlan], shared: Collection[BufferKey] = ()) -> tuple[BufferPlan, ...]:
     """One buffer per (name, shape, stride, dtype) key, with the slots its layers use.
 
     Args:
         params: the plan's parameters (any placements; only PREFETCH ones count).
+        shared: the keys that are one buffer for all their slots (`shared_keys`).
 
     Returns:
         Buffers in order of first use, each with its used slots sorted.
@@ -47,15 +72,17 @@ def prefetch_buffers(params: Iterable[ParamPlan]) -> tuple[BufferPlan, ...]:
         owners.append(p.param)
     if current is not None:
         layers.append((tuple(owners), current[1]))
-    return layer_buffers(layers)
+    return layer_buffers(layers, shared)
 
 
-def layer_buffers(layers: Iterable[tuple[tuple[ParamSpec, ...], int]]) -> tuple[BufferPlan, ...]:
+def layer_buffers(layers: Iterable[tuple[tuple[ParamSpec, ...], int]],
+                  shared: Collection[BufferKey] = ()) -> tuple[BufferPlan, ...]:
     """The buffers of prefetched layers, as `prefetch_buffers` lays them out.
 
     Args:
         layers: for each prefetched layer, in layer order, the parameters that own a
             buffer (`owns_buffer`) and the layer's slot.
+        shared: the keys that are one buffer for all their slots (`shared_keys`).
 
     Returns:
         One buffer per key, in order of first use, each with its used slots sorted.
@@ -88,6 +115,7 @@ def layer_buffers(layers: Iterable[tuple[tuple[ParamSpec, ...], int]]) -> tuple[
             itemsize=spec.itemsize,
             slot_bytes=spec.nbytes,
             slots=tuple(sorted(slots[key])),
+            shared=key in shared,
         )
         for key, spec in first.items()
     )

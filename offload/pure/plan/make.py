@@ -22,7 +22,7 @@ from offload.pure.decide.selection import (
 from offload.pure.decide.uva import decide_uva
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.plan.experts import plan_expert_caches
-from offload.pure.plan.layout import layer_buffers
+from offload.pure.plan.layout import layer_buffers, shared_keys
 from offload.pure.plan.plan import (
     Backend,
     BackendReason,
@@ -147,9 +147,9 @@ def make_plan(spec: ModelSpec, config: OffloadConfig, env: EnvSnapshot) -> Offlo
         if slot is not None and owners:
             prefetched.append((tuple(owners), slot))
 
-    buffers = layer_buffers(prefetched)
-    offloaded_bytes = selection.offloaded_bytes
     experts = plan_expert_caches(spec, config, params)
+    buffers = layer_buffers(prefetched, shared_keys(params, experts))
+    offloaded_bytes = selection.offloaded_bytes
     device_bytes_buffers = sum(b.nbytes for b in buffers) + sum(c.device_bytes for c in experts)
     compute_device = "cuda" if platform.has_cuda else "cpu"
     admission = assess_host_memory(host_demand(

@@ -190,7 +190,9 @@ def render_plan(plan: OffloadPlan, *, per_param: bool = False) -> str:
         lines.append(render_table(
             ["buffer key", "shape", "dtype", "slots", "bytes"],
             [
-                [b.name, "x".join(map(str, b.shape)) or "scalar", b.dtype, str(len(b.slots)), format_bytes(b.nbytes)]
+                [b.name, "x".join(map(str, b.shape)) or "scalar", b.dtype,
+                 f"{len(b.slots)}, one buffer (expert rows)" if b.shared else str(len(b.slots)),
+                 format_bytes(b.nbytes)]
                 for b in plan.buffers
             ],
         ))

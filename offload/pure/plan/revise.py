@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from offload.pure.experts.values import ExpertCachePlan
-from offload.pure.plan.layout import prefetch_buffers
+from offload.pure.plan.layout import prefetch_buffers, shared_keys
 from offload.pure.plan.plan import OffloadPlan, ParamPlan, Placement, PlanWarning, WarningCode
 from offload.pure.plan.schedule import schedule_prefetch
 from offload.pure.plan.values import serves_cache
@@ -103,8 +103,8 @@ def revise_plan(plan: OffloadPlan, actual: Mapping[Ref, ParamSpec | None]) -> Of
             attrs.evolve(p, slot=slot_of_layer[p.layer]) if p.placement is Placement.PREFETCH else p
             for p in kept
         ]
-    buffers = prefetch_buffers(kept)
     experts = _caches_kept(plan, kept)
+    buffers = prefetch_buffers(kept, shared_keys(kept, experts))
     offloaded_bytes = sum(p.nbytes for p in kept if p.offloaded and p.tied_to is None)
     warning = PlanWarning(
         code=WarningCode.PLAN_REVISED,

@@ -11,7 +11,7 @@ import enum
 import attrs
 
 from offload.errors import PlanError
-from offload.pure._checks import int_at_least, is_str, tuple_of_ints
+from offload.pure._checks import int_at_least, is_bool, is_str, tuple_of_ints
 from offload.pure._slots import slot_setters
 from offload.pure.spec.experts import ExpertGroup
 from offload.pure.spec.values import ParamSpec
@@ -230,6 +230,10 @@ class BufferPlan:
         itemsize: bytes per element.
         slot_bytes: bytes of one slot.
         slots: the slot numbers allocated (those some offloaded layer uses).
+        shared: one device buffer serves all of its slots: the rows of expert caches,
+            which only each experts module's call writes, with the experts it routes
+            (Note [expert cache]), and which the copy queue never writes. Set exactly for
+            the keys whose every parameter an expert cache serves (`serves_cache`).
     """
 
     name: str = attrs.field(validator=is_str(PlanError))
@@ -239,6 +243,7 @@ class BufferPlan:
     itemsize: int = attrs.field(validator=int_at_least(1, PlanError))
     slot_bytes: int = attrs.field(validator=int_at_least(0, PlanError))
     slots: tuple[int, ...] = attrs.field(validator=tuple_of_ints(0, PlanError))
+    shared: bool = attrs.field(default=False, validator=is_bool(PlanError))
 
     @property
     def key(self) -> tuple[str, tuple[int, ...], tuple[int, ...], str]:
@@ -247,8 +252,8 @@ class BufferPlan:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of all its slots."""
-        return self.slot_bytes * len(self.slots)
+        """Device bytes of all its slots (of its one buffer where `shared`)."""
+        return self.slot_bytes * (min(1, len(self.slots)) if self.shared else len(self.slots))
 
 
 def serves_cache(group: ExpertGroup, p: ParamPlan | None) -> bool:

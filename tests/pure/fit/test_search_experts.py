@@ -101,7 +101,8 @@ def test_fit_of_a_moe_model_fits_by_its_plan_and_is_as_fast_as_any_configuration
 
 #: Two MoE layers of 16 experts of 96 bytes (default 2 slots each): one layer of 1568
 #: bytes resident and the other's slot take more than the budgets below, so fit offloads
-#: both at depth 1 and what is left goes to the caches.
+#: both, at depth 1 or, where 32 bytes more allow, at depth 2 (each layer then alone in its
+#: slot: the expert rows are one buffer for both slots), and what is left goes to the caches.
 SPEC = moe_spec([(8, 16), (8, 16)])
 EXPERT = 96
 #: Zero-copy reads so slow that UVA never beats prefetch (the tests below size the caches
@@ -113,10 +114,10 @@ def _run(budget: int, *, expert_cache: bool = True, expert_slots: int | None = N
     return run(SPEC, EnvSnapshot(), budget, profile=SLOW_UVA, expert_cache=expert_cache, expert_slots=expert_slots)
 
 
-def _lean(spec: ModelSpec) -> int:
-    """Device bytes of prefetching every layer at depth 1 with one slot per cache: its
-    largest layer's slot, both caches' one expert each."""
-    plan = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1,
+def _lean(spec: ModelSpec, step: int = 1) -> int:
+    """Device bytes of prefetching every layer at depth `step` with one slot per cache: its
+    slots, both caches' one expert each."""
+    plan = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=step,
                                          expert_slots=1), planning_env(EnvSnapshot(), SLOW_UVA))
     return plan.device_bytes_resident + plan.device_bytes_buffers
 
@@ -135,9 +136,12 @@ def test_a_tight_budget_gives_the_caches_the_slots_it_has_room_for() -> None:
     assert at_least.chosen.config.expert_slots == 1
     assert [c.slots for c in at_least.plan.experts] == [1, 1]
     assert "prefetch_step 1, expert_slots 1" in render_fit(at_least)
-    assert [c.slots for c in _run(lean + 2 * EXPERT - 1).plan.experts] == [1, 1]
-    roomy = _run(lean + 2 * EXPERT)
-    assert [c.slots for c in roomy.plan.experts] == [2, 2] and _fits(roomy) == lean + 2 * EXPERT
+    deep = _lean(SPEC, step=2)
+    assert deep == lean + 8 * 4  # a second attention slot; the experts' rows stay one buffer
+    tight = _run(deep + 2 * EXPERT - 1)
+    assert tight.chosen.config.prefetch_step == 2 and [c.slots for c in tight.plan.experts] == [1, 1]
+    roomy = _run(deep + 2 * EXPERT)
+    assert [c.slots for c in roomy.plan.experts] == [2, 2] and _fits(roomy) == deep + 2 * EXPERT
 
 
 def test_below_the_leanest_with_caches_fit_leaves_the_caches_out_or_moves_on() -> None:
