@@ -19,7 +19,7 @@ from offload.logs import logger
 from offload.protocols import Event, Runtime
 from offload.pure.check import LiveCheck
 from offload.pure.experts.policy import CacheState, admit, initial_state
-from offload.pure.experts.values import ExpertCachePlan
+from offload.pure.experts.values import ExpertCachePlan, served_refs
 from offload.pure.spec.experts import ExpertGroup, Routing
 from offload.pure.spec.values import contiguous_stride
 from offload.pure.stats import ExpertCounts
@@ -178,7 +178,7 @@ class ExpertCaches:
         self._rt = rt
         self._caches: list[_Cache] = []
         self._patched: list[tuple[nn.Module, Callable[..., Any] | None]] = []
-        self.refs: frozenset[Ref] = frozenset((p.layer, name) for p in self._plans for name in p.group.params)
+        self.refs: frozenset[Ref] = served_refs(self._plans)
         self._rows: dict[Ref, torch.Tensor] = {}
         self._hosts: Callable[[Ref], torch.Tensor] | None = None
 

@@ -57,6 +57,7 @@ from offload.pure.disk.params import (
     staged,
 )
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.values import served_refs
 from offload.pure.plan.plan import Backend, OffloadPlan
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
 from offload.pure.spec.extents import DiskExtent, FileIdentity, unmappable
@@ -282,7 +283,7 @@ def disk_params_by_layer(plan: OffloadPlan, layer_names: Sequence[str], tensors:
     (the checkpoint where its bytes lie as the model holds them, else a spill file), by
     layer, in plan order; an expert cache's parameters are read in place
     (`DiskParam.in_place`)."""
-    in_place = {(c.layer, name) for c in plan.experts for name in c.group.params}
+    in_place = served_refs(plan.experts)
     owned: dict[int, list[DiskParam]] = {}
     for p in plan.offloaded_params:
         if p.tied_to is None:

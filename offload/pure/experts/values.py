@@ -5,6 +5,7 @@ routing profile (`RoutingProfile`: how often each expert ran) and a routing trac
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -13,7 +14,7 @@ from offload.errors import PlanError
 from offload.pure._checks import int_at_least, is_int, tuple_of
 from offload.pure.spec.experts import ExpertGroup
 
-__all__ = ["CachePolicy", "ExpertCachePlan", "RoutingProfile", "RoutingTrace"]
+__all__ = ["CachePolicy", "ExpertCachePlan", "RoutingProfile", "RoutingTrace", "served_refs"]
 
 
 class CachePolicy(enum.Enum):
@@ -70,6 +71,11 @@ class ExpertCachePlan:
     def device_bytes(self) -> int:
         """Device bytes of its slots: C x B."""
         return self.slots * self.group.expert_bytes
+
+
+def served_refs(caches: Iterable[ExpertCachePlan]) -> frozenset[tuple[int, str]]:
+    """The (layer, parameter name) of every parameter `caches` serve."""
+    return frozenset((c.layer, name) for c in caches for name in c.group.params)
 
 
 def _counts(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

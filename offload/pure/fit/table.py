@@ -177,7 +177,8 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
-        cache_bytes=caches, cache_keys=cache_keys, expert_cache=expert_cache, expert_slots=(expert_slots or 1) if caches else expert_slots,
+        cache_bytes=caches, cache_keys=cache_keys, expert_cache=expert_cache,
+        expert_slots=(expert_slots or 1) if caches else expert_slots,
     )
 
 

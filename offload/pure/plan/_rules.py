@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from offload.errors import PlanError
-from offload.pure.experts.values import ExpertCachePlan
+from offload.pure.experts.values import ExpertCachePlan, served_refs
 from offload.pure.plan.layout import BufferKey
 from offload.pure.plan.schedule import PrefetchSchedule, check_schedule
 from offload.pure.plan.values import Backend, BufferPlan, ParamPlan, Placement, serves_cache
@@ -110,7 +110,7 @@ def _check_shared(plan: PlanFields) -> None:
     shared = {b.key: j for j, b in enumerate(plan.buffers) if b.shared}
     if not shared:
         return
-    served = {(c.group.layer, name) for c in plan.experts for name in c.group.params}
+    served = served_refs(plan.experts)
     for p in plan.params:
         if p.placement is not Placement.PREFETCH or (p.tied_to is not None and p.tied_to[0] == p.layer):
             continue

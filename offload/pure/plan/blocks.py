@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from offload.pure.decide.moves import Move
+from offload.pure.experts.values import served_refs
 from offload.pure.plan.layout import BufferKey, owns_buffer
 from offload.pure.plan.plan import BufferPlan, OffloadPlan, Placement
 from offload.pure.spec.values import ParamSpec
@@ -256,7 +257,7 @@ def layer_copies(plan: OffloadPlan, moves: Mapping[tuple[int, str], Move] | None
     blocks = {b.layer: b for b in host_blocks(plan, moves)}
     arenas = {a.slot: a for a in slot_arenas(plan.buffers)} if blocks else {}
     owned: dict[int, list[Span]] = {layer: [] for layer in plan.offloaded_layers}
-    served = {(c.group.layer, name) for c in plan.experts for name in c.group.params}
+    served = served_refs(plan.experts)
     for p in plan.params:
         if (p.placement is not Placement.PREFETCH or p.slot is None or not owns_buffer(p) or p.layer not in owned
                 or (p.layer, p.name) in served):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from operator import attrgetter
 
-from offload.pure.experts.values import ExpertCachePlan
+from offload.pure.experts.values import ExpertCachePlan, served_refs
 from offload.pure.plan.values import BufferPlan, ParamPlan, Placement
 from offload.pure.spec.values import ParamSpec
 
@@ -35,7 +35,7 @@ def shared_keys(params: Iterable[ParamPlan], caches: Iterable[ExpertCachePlan]) 
         params: the plan's parameters.
         caches: its expert caches (`plan_expert_caches`).
     """
-    served = {(c.group.layer, name) for c in caches for name in c.group.params}
+    served = served_refs(caches)
     if not served:
         return frozenset()
     mine: set[BufferKey] = set()
