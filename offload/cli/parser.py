@@ -142,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve-gib", type=gib, default=0.0,
                       help="with --fit-gib: device GiB kept for activations and caches (default 0)")
     plan.add_argument("--tokens", type=tokens, default=1, help="tokens per step for the estimate (default 1)")
+    plan.add_argument("--routing-trace", metavar="FILE",
+                      help="a routing trace (trace_to_json of record_routing's trace): the estimate counts the "
+                      "expert caches' misses and hits over it instead of every expert every step")
+    plan.add_argument("--expert-slots", type=positive_int,
+                      help="C, device slots of each expert cache (default E / 8, at least 1)")
     plan.add_argument("--profile", choices=sorted(PROFILES), help="the target device's speeds, for the estimate")
     plan.add_argument("--link-gbps", type=number, help="measured pinned host-to-device GB/s (overrides the profile's)")
     plan.add_argument("--tflops", type=number, help="achieved dense bf16 TFLOP/s (overrides the profile's)")

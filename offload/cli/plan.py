@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from offload.cli._shared import UserError, capture
+from offload.cli._shared import UserError, capture, shown
 from offload.cli.parser import (
     DEFAULT_DISK_GBPS,
     DEFAULT_PREFETCH,
@@ -25,6 +25,8 @@ from offload.pure.disk.render import render_disk_tier, tier_warnings
 from offload.pure.disk.search import fit_with_tier
 from offload.pure.disk.tier import DiskTierPlan, plan_disk_tier
 from offload.pure.env.snapshot import EnvSnapshot, Platform
+from offload.pure.experts.profile import trace_from_json
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import StepEstimate, Workload, estimate
 from offload.pure.fit.profiles import (
     DeviceProfile,
@@ -67,6 +69,7 @@ def _config(args: argparse.Namespace) -> tuple[OffloadConfig, bool]:
         "num_in_group": args.num_in_group,
         "prefetch_step": args.prefetch_step,
         "uva_max_bytes": None if args.uva_gib is None else gib_bytes(args.uva_gib),
+        "expert_slots": args.expert_slots,
     }
     given = {k: v for k, v in chosen.items() if v is not None}
     if not given:
@@ -117,9 +120,31 @@ def _profile(args: argparse.Namespace) -> DeviceProfile | None:
     return profile
 
 
+def _routing(args: argparse.Namespace, profile: DeviceProfile | None) -> RoutingTrace | None:
+    """The trace ``--routing-trace`` names, read (None without it)."""
+    path: str | None = args.routing_trace
+    if path is None:
+        return None
+    if profile is None:
+        raise UserError("offload plan: --routing-trace is for the estimate; give --profile NAME, or --link-gbps "
+                        "and --tflops")
+    try:
+        with open(path, "rb") as file:
+            text = file.read()
+    except OSError as exc:
+        raise UserError(f"offload plan: --routing-trace: cannot read {shown(path)}: {exc.strerror or exc}") from None
+    try:
+        return trace_from_json(text)
+    except PlanError as exc:
+        raise UserError(f"offload plan: --routing-trace {shown(path)}: {exc.message}") from None
+
+
 def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     if profile is None:
         raise UserError("offload plan: --fit-gib needs --profile NAME, or --link-gbps and --tflops")
+    if args.routing_trace is not None:
+        raise UserError("offload plan: --fit-gib costs every expert as copied; --routing-trace is for the estimate "
+                        "of a configuration you give (drop --fit-gib, or --routing-trace)")
     chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
                                        ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
                                        ("--uva-gib", args.uva_gib)) if value is not None]
@@ -140,7 +165,8 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     try:
         if disk is None:
             result = fit(spec, env, profile, workload, budget, outside_bytes=source.outside_bytes,
-                         reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter))
+                         reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
+                         expert_slots=args.expert_slots)
             tier = None
         else:
             # Both budgets: the fit searches the plans whose host copies, with a disk tier
@@ -149,7 +175,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
             both = fit_with_tier(spec, env, profile, workload, budget, host_budget_bytes=disk[0], disk_gbps=disk[1],
                                  read_ahead=disk[2], outside_bytes=source.outside_bytes,
                                  reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
-                                 layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
+                                 expert_slots=args.expert_slots, layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
                                  tensors=found.tensors if found is not None else None,
                                  extents=found.extents if found is not None else None,
                                  files=found.files if found is not None else ())
@@ -247,6 +273,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         matched = " (matched this device)" if profile is not None else ""
     if profile is not None:
         env = planning_env(env, profile)
+    routing = _routing(args, profile)
     plan = make_plan(spec, config, env)
     tier = _disk_tier(args, plan, spec, env)
     if args.json:
@@ -273,7 +300,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     workload = Workload(tokens_per_step=args.tokens)
     step = None
     if profile is not None:
-        step = estimate(plan, profile, workload) if tier is None else estimate_with_tier(plan, tier, profile, workload)
+        step = estimate(plan, profile, workload, routing=routing) if tier is None else \
+            estimate_with_tier(plan, tier, profile, workload, routing=routing)
     # With a disk tier the plan runs with it: its host memory is the tier's, its warnings
     # those of a plan that reads from disk.
     print(render_plan(plan if tier is None else _with_tier(plan, tier, step), per_param=args.params))

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from offload.cli._shared import UserError, count_of
+from offload.cli.experts import may_hold_experts, with_experts
 from offload.cli.quantisation import INT8, int8_weight_only, saved_quantization
 from offload.errors import CheckpointError
 from offload.pure.spec.presets import PRESETS, preset_outside_bytes, preset_spec
@@ -260,8 +261,9 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
     elif described != "none":
         details.append(f"quant:    as saved ({described}, config.json quantization_config): the headers hold the "
                        "quantised tensors")
-    return Source(spec=result.spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
-                  details=(*_stack_lines(result, counted), *details))
+    spec, line = _experts(root, config, result.spec)
+    return Source(spec=spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
+                  details=(*_stack_lines(result, counted), *details, *([line] if line else [])))
 
 
 def _lists_weights(folder: Path) -> bool:
@@ -309,8 +311,18 @@ def _from_config(name: str, root: Path, *, counted: str, quantization: str | Non
         details.append(quantised)
     if result.buffers:
         details.append(_buffer_line(result, saved.source, counted))
-    return Source(spec=result.spec, origin=f"config {printable(str(root))}", outside_bytes=result.outside_bytes,
+    spec, line = _experts(root, config, result.spec)
+    details.extend([line] if line else [])
+    return Source(spec=spec, origin=f"config {printable(str(root))}", outside_bytes=result.outside_bytes,
                   details=tuple(details))
+
+
+def _experts(root: Path, config: Mapping[str, Any] | None, spec: ModelSpec) -> tuple[ModelSpec, str]:
+    """`spec` with its experts modules where it may hold some (`offload.cli.experts`), and
+    the line saying so; a diffusers model (``_class_name``) has none."""
+    if config is None or "_class_name" in config or not may_hold_experts(spec):
+        return spec, ""
+    return with_experts(root, spec)
 
 
 def _quantised(tensors: Sequence[TensorHeader], linear: frozenset[str]) -> tuple[tuple[TensorHeader, ...], str]:

@@ -319,3 +319,36 @@ def test_a_device_budget_plans_the_caches_within_it_and_stays_exact(layers: int,
     assert [c.slots for c in offloader.plan.experts] == [c.slots for c in device.experts]
     assert _equal(_decode(model, 2), expected)
     offloader.restore()
+
+
+@pytest.mark.parametrize(("name", "batch"), [("qwen3_moe", 1), ("qwen3_moe", 4), ("llama4", 4)])
+def test_the_estimate_given_the_recorded_trace_predicts_the_bytes_and_hit_rate_the_executor_copies(
+        name: str, batch: int) -> None:
+    """`estimate(..., routing=)` over the trace of the run: the layers' copies per step are
+    their non-expert weights (counted here from the plan), the experts' are the misses the
+    executor counted, to the byte per layer and step (the estimate rounds its means)."""
+    from offload.executors.experts import record_routing
+    from offload.pure.fit.estimate import estimate
+
+    model = build_moe(name, 4)
+    offloader = _offload(model, OffloadConfig(group_size=1, prefetch_step=2, expert_slots=4))
+    with record_routing(model.model.layers) as record:
+        _decode(model, batch, steps=6)
+    trace = record.trace()
+    plan = offloader.plan
+    step = estimate(plan, profile_by_name("h100-pcie5"), Workload(tokens_per_step=batch), routing=trace)
+    measured = offloader.stats().experts
+    steps = len(trace.steps)
+    assert step.routing_steps == steps == 7
+    served = {(c.layer, n) for c in plan.experts for n in c.group.params}
+    copied = {layer for position, layer in enumerate(plan.offloaded_layers)
+              if position not in plan.schedule.kept_positions}
+    non_expert = sum(p.nbytes for p in plan.offloaded_params if (p.layer, p.name) not in served and p.layer in copied)
+    assert sum(layer.copy_bytes for layer in step.layers) == non_expert
+    missed = sum(c.bytes_copied for c in measured)
+    assert missed > 0
+    assert abs(step.expert_bytes * steps - missed) <= len(plan.experts) * steps / 2
+    assert abs(step.expert_bytes * steps - missed) <= 0.02 * missed
+    hits = sum(c.hits for c in measured)
+    assert step.expert_hit_rate == pytest.approx(hits / (hits + sum(c.misses for c in measured)))
+    assert step.belady_hit_rate is not None and step.belady_hit_rate >= step.expert_hit_rate

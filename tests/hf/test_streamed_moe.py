@@ -22,6 +22,7 @@ from offload.cli import main
 from offload.hf import find_stacks, offload_pretrained
 from offload.hf.conversions import LiveSource, Piece, live_sources, spill_runs
 from offload.model.checkpoint import checkpoint_extents
+from offload.model.describe import describe_layers
 from offload.pure.disk.params import READ_BLOCK
 from offload.pure.disk.tier import DiskSource, staging_layout
 from offload.runtime.cpu import CpuRuntime
@@ -110,6 +111,12 @@ def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, An
     assert len(plan.offloaded_params) == len(live)  # one copy per live parameter a step
     stored = len(checkpoint_extents(checkpoint).tensors)
     assert (stored > len(live) + 3) is (name in CONVERTED)
+    # and the experts modules are the live model's: each gets the expert cache a load gives it
+    groups = describe_layers(layers).experts
+    assert len(groups) == 4
+    assert tuple(c.group for c in plan.experts) == groups
+    _, offloader = offload_pretrained(checkpoint, CONFIG, env=EnvSnapshot(), runtime=CpuRuntime())
+    assert offloader.plan.experts == plan.experts
 
 
 class ChunkedLlama(LlamaForCausalLM):  # type: ignore[no-untyped-call]  # transformers: __init_subclass__ untyped

@@ -1,10 +1,12 @@
 """Routing profiles: checking one against a model (`check_profile`), the experts it says
 to hold (`held_from_profile`), its JSON form (`profile_to_json`, `profile_from_json`),
-and the profile of a trace (`trace_profile`)."""
+and the profile of a trace (`trace_profile`); a trace's JSON form (`trace_to_json`,
+`trace_from_json`)."""
 
 from __future__ import annotations
 
 import json
+from typing import TypeVar
 
 from offload.errors import OffloadError, PlanError
 from offload.pure._checks import is_int
@@ -12,11 +14,15 @@ from offload.pure.experts.values import RoutingProfile, RoutingTrace
 from offload.pure.serialize import from_data, parse_json, short_repr, to_data
 from offload.pure.spec.experts import ExpertGroup
 
-__all__ = ["PROFILE_FORMAT", "check_profile", "held_from_profile", "profile_from_json", "profile_to_json",
-           "trace_profile"]
+__all__ = ["PROFILE_FORMAT", "TRACE_FORMAT", "check_profile", "held_from_profile", "profile_from_json",
+           "profile_to_json", "trace_from_json", "trace_profile", "trace_to_json"]
 
 #: The ``format`` of a routing profile's JSON document.
 PROFILE_FORMAT = "offload-routing-profile/1"
+#: The ``format`` of a routing trace's JSON document.
+TRACE_FORMAT = "offload-routing-trace/1"
+
+_Value = TypeVar("_Value", RoutingProfile, RoutingTrace)
 
 
 def check_profile(profile: RoutingProfile, groups: tuple[ExpertGroup, ...]) -> None:
@@ -80,17 +86,36 @@ def profile_from_json(text: str | bytes) -> RoutingProfile:
         PlanError: the text is not JSON (see `offload.pure.serialize.parse_json`), not a
             `PROFILE_FORMAT` document, or its profile breaks a rule of `RoutingProfile`.
     """
+    return _read(text, PROFILE_FORMAT, RoutingProfile, "profile")
+
+
+def trace_to_json(trace: RoutingTrace, *, indent: int | None = None) -> str:
+    """The trace as a `TRACE_FORMAT` document; `trace_from_json` reads it back equal."""
+    return json.dumps({"format": TRACE_FORMAT, "trace": to_data(trace)}, indent=indent)
+
+
+def trace_from_json(text: str | bytes) -> RoutingTrace:
+    """Read a trace written by `trace_to_json`; the text is untrusted.
+
+    Raises:
+        PlanError: the text is not JSON (see `offload.pure.serialize.parse_json`), not a
+            `TRACE_FORMAT` document, or its trace breaks a rule of `RoutingTrace`.
+    """
+    return _read(text, TRACE_FORMAT, RoutingTrace, "trace")
+
+
+def _read(text: str | bytes, fmt: str, cls: type[_Value], key: str) -> _Value:
+    """The `cls` under `key` of a `fmt` document."""
     document = parse_json(text)
-    if not isinstance(document, dict) or document.get("format") != PROFILE_FORMAT:
+    if not isinstance(document, dict) or document.get("format") != fmt:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise PlanError(f"not an {PROFILE_FORMAT} document (format is {short_repr(found)})", name="format",
-                        value=found)
+        raise PlanError(f"not an {fmt} document (format is {short_repr(found)})", name="format", value=found)
     try:
-        return from_data(RoutingProfile, document.get("profile"))
+        return from_data(cls, document.get(key))
     except PlanError:
         raise
     except OffloadError as exc:
-        raise PlanError(f"the routing profile breaks a rule: {exc}", name=exc.name, value=exc.value) from exc
+        raise PlanError(f"the routing {key} breaks a rule: {exc}", name=exc.name, value=exc.value) from exc
 
 
 def trace_profile(trace: RoutingTrace) -> RoutingProfile:

@@ -19,6 +19,15 @@ The model, per layer ``l`` of a step:
 - *UVA read*: ``UVA bytes / (pinned rate x zero-copy fraction)``, added to the layer.
 - *on demand*: ``bytes / link rate`` (pinned or pageable per the plan), added to the
   layer; nothing overlaps it.
+- *experts*, given a routing trace (`estimate`'s ``routing``): an expert cache's experts
+  are not in its layer's prefetch copy. At the module's call its misses are copied from
+  host memory (``miss bytes / link rate``, after ``miss bytes / disk rate`` where its
+  experts are on the disk tier) and its hits from their slots into their rows (``2 x hit
+  bytes / weight-read rate``: a read and a write; 0 where the profile has no such rate),
+  and the layer waits for them: nothing overlaps it (no expert is copied ahead of its
+  call). The misses and hits per step are the trace's mean through the plan's policy
+  (`offload.pure.experts.expected`). Without a trace every expert is counted in its
+  layer's prefetch copy: every expert copied every step, the worst case for the bytes.
 
 Passes are simulated with event times until the pass duration repeats (period 1 to 4
 passes), and the steady-state passes are reported, because with circular prefetch the
@@ -33,6 +42,8 @@ import math
 from collections.abc import Sequence
 
 from offload.errors import PlanError
+from offload.pure.experts.expected import ExpectedLoads, LayerLoad, expected_loads
+from offload.pure.experts.values import RoutingTrace, served_refs
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.fit.step import MAX_TOKENS_PER_STEP, DiskReads, LayerEstimate, StepEstimate, Workload
 from offload.pure.plan.plan import OffloadPlan, Placement
@@ -192,7 +203,7 @@ def _average(rows: list[list[float]]) -> tuple[float, ...]:
 
 
 def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
-             disk: DiskReads | None = None) -> StepEstimate:
+             disk: DiskReads | None = None, routing: RoutingTrace | None = None) -> StepEstimate:
     """Predict the steady-state step time of `plan` on `profile` for `workload`.
 
     Args:
@@ -202,21 +213,33 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         workload: tokens per step, or a measured resident step time.
         disk: the plan's disk tier as `offload.pure.disk.estimate.estimate_with_tier`
             gives it; None: every offloaded weight in host memory.
+        routing: the routed experts per step (`RoutingTrace`, recorded by
+            `offload.executors.experts.record_routing` or drawn by
+            `offload.pure.experts.replay.zipf_trace`): the expert caches' copies are its
+            mean per step (`LayerEstimate.expert_bytes`). None: every expert of a cache is
+            counted in its layer's prefetch copy (the worst case).
 
     Returns:
         The estimate, one `LayerEstimate` per layer index up to the last one with a
         parameter.
+
+    Raises:
+        PlanError: `routing` has no steps, lacks an experts module the plan caches, names
+            one the model does not have, or gives one another expert count
+            (`offload.pure.experts.expected`).
     """
     num_layers = max((p.layer for p in plan.params), default=-1) + 1
     numels = [0] * num_layers
     weight = [0] * num_layers
     moved = {placement: [0] * num_layers for placement in (Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND)}
+    loads = None if routing is None else expected_loads(plan.experts, routing, {(p.layer, p.name) for p in plan.params})
+    served = served_refs(plan.experts) if loads is not None else frozenset()
     for p in plan.params:
         numels[p.layer] += math.prod(p.shape)
         if p.tied_to is not None and p.tied_to[0] == p.layer:
             continue  # the same storage as a parameter of this layer: read and moved once
         weight[p.layer] += p.nbytes
-        if p.placement is not Placement.RESIDENT:
+        if p.placement is not Placement.RESIDENT and (p.layer, p.name) not in served:
             moved[p.placement][p.layer] += p.nbytes
     compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(
@@ -230,6 +253,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         profile=profile,
         workload=workload,
         disk=disk,
+        experts=loads,
     )
 
 
@@ -245,6 +269,7 @@ def _from_loads(
     profile: DeviceProfile,
     workload: Workload,
     disk: DiskReads | None = None,
+    experts: ExpectedLoads | None = None,
 ) -> StepEstimate:
     """The estimate from per-layer loads, which `estimate` reads off a plan.
 
@@ -258,11 +283,18 @@ def _from_loads(
         pinned: whether host copies are pinned (sets the copy rate).
         profile: the device's rates.
         workload: reported in the estimate.
-        disk: the disk tier (`simulate_prefetch`).
+        disk: the disk tier (`simulate_prefetch`; its `DiskReads.expert_layers` read
+            their experts' misses from disk).
+        experts: the expert caches' copies per step, from a routing trace; None: none.
     """
     rate = profile.h2d_bytes_per_s(pinned=pinned)
     uva_rate = profile.zero_copy_bytes_per_s
-    extra = [u / uva_rate + d / rate for u, d in zip(uva_bytes, on_demand_bytes, strict=True)]
+    load_of = {} if experts is None else {load.layer: load for load in experts.layers}
+    expert_reads = _expert_reads(load_of, disk)
+    expert_seconds = [
+        _expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
+        for layer in range(len(compute))]
+    extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, expert_seconds, strict=True)]
     busy = [c + e for c, e in zip(compute, extra, strict=True)]
     copy = [copy_bytes[layer] / rate for layer in positions]
     once = {positions[i] for i in schedule.kept_positions}
@@ -296,10 +328,30 @@ def _from_loads(
                 uva_bytes=uva_bytes[layer],
                 on_demand_bytes=on_demand_bytes[layer],
                 loaded_once_bytes=copy_bytes[layer] - per_step[layer],
-                disk_read_seconds=read_per_step.get(layer, 0.0),
+                disk_read_seconds=read_per_step.get(layer, 0.0) + expert_reads.get(layer, 0.0),
+                expert_seconds=expert_seconds[layer],
+                expert_bytes=round(load_of[layer].miss_bytes) if layer in load_of else 0,
+                expert_routed=load_of[layer].routed if layer in load_of else 0.0,
+                expert_hits=load_of[layer].hits if layer in load_of else 0.0,
             )
             for layer in range(len(compute))
         ),
         passes=passes,
         period=period,
+        routing_steps=0 if experts is None else experts.steps,
+        belady_hit_rate=None if experts is None else experts.optimum.hit_rate,
     )
+
+
+def _expert_seconds(load: LayerLoad, rate: float, profile: DeviceProfile) -> float:
+    """A layer's wait at its experts' calls for their copies, from host memory: the misses
+    over the link, the hits from their slots (a read and a write of device memory)."""
+    read = profile.weight_read_bytes_per_s
+    return load.miss_bytes / rate + (2.0 * load.hit_bytes / read if read is not None else 0.0)
+
+
+def _expert_reads(load_of: dict[int, LayerLoad], disk: DiskReads | None) -> dict[int, float]:
+    """Per layer whose experts lie on the disk tier, seconds its misses take to read per step."""
+    if disk is None or not disk.expert_layers:
+        return {}
+    return {layer: load_of[layer].miss_bytes / disk.bytes_per_s for layer in disk.expert_layers if layer in load_of}

@@ -40,10 +40,22 @@ def describe_config(config: OffloadConfig) -> str:
     return describe(config)
 
 
-def _layer_cells(layer: LayerEstimate) -> list[str]:
+def _layer_cells(layer: LayerEstimate, experts: bool) -> list[str]:
     return [_ms(layer.compute_seconds), _ms(layer.copy_seconds), _ms(layer.stall_seconds),
-            _ms(layer.uva_read_seconds), _ms(layer.on_demand_seconds), _ms(layer.seconds),
-            format_bytes(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes)]
+            _ms(layer.uva_read_seconds), _ms(layer.on_demand_seconds),
+            *([_ms(layer.expert_seconds)] if experts else []), _ms(layer.seconds),
+            format_bytes(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes + layer.expert_bytes)]
+
+
+def _expert_lines(step: StepEstimate) -> list[str]:
+    """What the routing trace makes the expert caches copy (nothing without a trace)."""
+    rate = step.expert_hit_rate
+    if rate is None:
+        return []
+    belady = f", Belady {step.belady_hit_rate * 100:.1f}%" if step.belady_hit_rate is not None else ""
+    return [f"experts          = {format_bytes(step.expert_bytes)} ({step.expert_bytes} bytes) of misses per step, "
+            f"hit rate {rate * 100:.1f}%{belady}, over {_count(step.routing_steps, 'step')} of the routing trace; "
+            f"the layers wait {format_seconds(step.expert_seconds)} for them"]
 
 
 def _loaded_once_lines(step: StepEstimate) -> list[str]:
@@ -60,15 +72,17 @@ def render_estimate(step: StepEstimate) -> str:
     """The estimate: rates, one row per run of identical layers (times in ms, each
     layer), totals, and the arithmetic of the limit and of the predicted step."""
     runs: list[tuple[int, int, list[str]]] = []
+    experts = bool(step.routing_steps)
     for layer in step.layers:
-        cells = _layer_cells(layer)
+        cells = _layer_cells(layer, experts)
         if runs and runs[-1][2] == cells and runs[-1][1] == layer.layer - 1:
             runs[-1] = (runs[-1][0], layer.layer, cells)
         else:
             runs.append((layer.layer, layer.layer, cells))
     rows = [[str(a) if a == b else f"{a}-{b}", *cells] for a, b, cells in runs]
     rows.append(["total", _ms(step.compute_seconds), _ms(step.copy_seconds), _ms(step.stall_seconds),
-                 _ms(step.uva_read_seconds), _ms(step.on_demand_seconds), _ms(step.step_seconds),
+                 _ms(step.uva_read_seconds), _ms(step.on_demand_seconds),
+                 *([_ms(step.expert_seconds)] if experts else []), _ms(step.step_seconds),
                  format_bytes(step.offloaded_bytes_per_step)])
     tokens = f"{_count(step.tokens_per_step, 'token')} per step" if not step.stack_tokens else \
         f"tokens per step by stack {', '.join(str(t) for t in step.stack_tokens)}"
@@ -79,13 +93,14 @@ def render_estimate(step: StepEstimate) -> str:
         f"rates: copies {_rate(step.copy_bytes_per_s)}, pinned {_rate(step.pinned_bytes_per_s)}, "
         f"zero-copy reads {_rate(step.uva_bytes_per_s)}",
         "",
-        render_table(["layers", "compute ms", "copy ms", "stall ms", "uva ms", "on-demand ms", "total ms",
-                      "moved"], rows),
+        render_table(["layers", "compute ms", "copy ms", "stall ms", "uva ms", "on-demand ms",
+                      *(["experts ms"] if experts else []), "total ms", "moved"], rows),
         "",
         f"resident compute = {format_seconds(step.compute_seconds)} (sum of the compute column)",
         f"link             = {format_bytes(step.offloaded_bytes_per_step)} ({step.offloaded_bytes_per_step} bytes)"
         f" / {_rate(step.pinned_bytes_per_s)} = {format_seconds(step.link_seconds)}",
         *_loaded_once_lines(step),
+        *_expert_lines(step),
         *([f"disk             = {format_seconds(step.disk_read_seconds)} of reads per step (the disk tier; a late "
            "read is in the stalls): no step is faster"] if step.disk_read_seconds else []),
         f"limit            = max({format_seconds(step.compute_seconds)}, {format_seconds(step.link_seconds)}"
@@ -94,7 +109,9 @@ def render_estimate(step: StepEstimate) -> str:
         + (" (compute, link, disk)" if step.disk_read_seconds else " (compute, link)"),
         f"predicted step   = compute {format_seconds(step.compute_seconds)} + stalls "
         f"{format_seconds(step.stall_seconds)} + uva {format_seconds(step.uva_read_seconds)} + on demand "
-        f"{format_seconds(step.on_demand_seconds)} = {format_seconds(step.step_seconds)}, "
+        f"{format_seconds(step.on_demand_seconds)}"
+        + (f" + experts {format_seconds(step.expert_seconds)}" if experts else "")
+        + f" = {format_seconds(step.step_seconds)}, "
         f"{step.ratio_to_limit:.3f} x the limit",
         f"(steady state after {_count(step.passes, 'simulated pass')}, period {step.period})",
     ]

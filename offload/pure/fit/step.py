@@ -110,7 +110,17 @@ class LayerEstimate:
             in its slot (it is the only owner of that slot: `PrefetchSchedule.kept_positions`);
             not moved per step. 0 for every other layer.
         disk_read_seconds: a disk-tier layer's read from disk per step (overlaps earlier
-            layers; its wait, where the read is late, is in `stall_seconds`); 0 for the others.
+            layers; its wait, where the read is late, is in `stall_seconds`), and with a
+            routing trace its expert caches' misses read from disk at their call; 0 for
+            the others.
+        expert_seconds: with a routing trace, its wait at its experts' calls for their
+            copies (misses from host memory, and from disk on the disk tier; hits from
+            their slots); 0 without one.
+        expert_bytes: with a routing trace, bytes its expert caches copy from host memory
+            per step (misses x B, the trace's mean, rounded); 0 without one (the experts
+            are then in `copy_bytes`).
+        expert_routed: with a routing trace, experts routed to its caches per step (mean).
+        expert_hits: of those, served from a slot (mean).
     """
 
     layer: int
@@ -124,11 +134,16 @@ class LayerEstimate:
     on_demand_bytes: int = 0
     loaded_once_bytes: int = 0
     disk_read_seconds: float = 0.0
+    expert_seconds: float = 0.0
+    expert_bytes: int = 0
+    expert_routed: float = 0.0
+    expert_hits: float = 0.0
 
     @property
     def seconds(self) -> float:
-        """The layer's wall time in the step: compute + stall + UVA read + on demand."""
-        return self.compute_seconds + self.stall_seconds + self.uva_read_seconds + self.on_demand_seconds
+        """The layer's wall time in the step: compute + stall + UVA read + on demand + experts."""
+        return (self.compute_seconds + self.stall_seconds + self.uva_read_seconds + self.on_demand_seconds
+                + self.expert_seconds)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +161,10 @@ class StepEstimate:
         passes: passes simulated to reach the steady state.
         period: passes after which the steady state repeats (its figures are averaged).
         stack_tokens: the workload's tokens per step of each stack (empty: `tokens_per_step`).
+        routing_steps: the steps of the routing trace the expert caches were replayed
+            over (0: no trace; the experts are then counted in their layers' copies).
+        belady_hit_rate: with a trace, the hit rate of Belady's optimum for the same
+            slots over it (`offload.pure.experts.replay.belady`), beside `expert_hit_rate`.
     """
 
     profile: str
@@ -158,6 +177,28 @@ class StepEstimate:
     passes: int = 1
     period: int = 1
     stack_tokens: tuple[int, ...] = ()
+    routing_steps: int = 0
+    belady_hit_rate: float | None = None
+
+    @property
+    def expert_seconds(self) -> float:
+        """Time the layers wait at their experts' calls for the copies, seconds (0 without
+        a routing trace)."""
+        return sum(layer.expert_seconds for layer in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes the expert caches copy from host memory per step (0 without a trace)."""
+        return sum(layer.expert_bytes for layer in self.layers)
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        """Hits over routed experts per step, from 0 to 1, with a trace (1.0 where none was
+        routed); None without one."""
+        if not self.routing_steps:
+            return None
+        routed = sum(layer.expert_routed for layer in self.layers)
+        return sum(layer.expert_hits for layer in self.layers) / routed if routed else 1.0
 
     @property
     def step_seconds(self) -> float:
@@ -202,9 +243,10 @@ class StepEstimate:
 
     @property
     def offloaded_bytes_per_step(self) -> int:
-        """Bytes that cross the host link per step (prefetch + UVA + on demand); the
-        layers loaded once are not among them."""
-        return sum(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes for layer in self.layers)
+        """Bytes that cross the host link per step (prefetch + UVA + on demand + the expert
+        caches' misses); the layers loaded once are not among them."""
+        return sum(layer.copy_bytes + layer.uva_bytes + layer.on_demand_bytes + layer.expert_bytes
+                   for layer in self.layers)
 
     @property
     def link_seconds(self) -> float:
@@ -236,8 +278,14 @@ class DiskReads:
         next_of: per disk position, the next occupant of its staging buffer, read once
             the copy out of it has landed (itself: alone in its buffer, read once).
         first: the disk positions read before the first pass, in order.
+        expert_layers: the layers whose expert caches read their misses from disk at the
+            experts' call (`DiskParam.in_place`), with a routing trace; their experts are
+            then not in `seconds`.
+        bytes_per_s: the disk's read rate, for those reads.
     """
 
     seconds: tuple[float, ...]
     next_of: tuple[tuple[int, int], ...]
     first: tuple[int, ...]
+    expert_layers: tuple[int, ...] = ()
+    bytes_per_s: float = 0.0

@@ -1,6 +1,7 @@
 """Routing profiles (`offload.pure.experts.profile`): a profile round-trips through JSON;
 one of another model is refused naming the module at fault; the held experts are the
-hottest, at most C, never an unrouted one; a trace's profile counts its calls."""
+hottest, at most C, never an unrouted one; a trace's profile counts its calls; a trace
+round-trips through JSON, and a bad one is refused."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from hypothesis import strategies as st
 from offload.errors import PlanError
 from offload.pure.experts.profile import (
     PROFILE_FORMAT,
+    TRACE_FORMAT,
     check_profile,
     held_from_profile,
     profile_from_json,
     profile_to_json,
+    trace_from_json,
     trace_profile,
+    trace_to_json,
 )
+from offload.pure.experts.replay import zipf_trace
 from offload.pure.experts.values import RoutingProfile
 from offload.pure.spec.experts import ExpertGroup
 from tests.pure.experts.cases import group, plan, trace_of
@@ -122,3 +127,31 @@ def test_a_traces_profile_counts_the_calls_that_routed_each_expert() -> None:
     assert trace_profile(trace) == RoutingProfile(counts=((0, "mlp.experts", (1, 3, 0, 1)),
                                                           (5, "mlp.experts", (1, 0, 2))))
     check_profile(trace_profile(trace), tuple(p.group for p in plans))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(2, 12), min_size=1, max_size=4), st.integers(0, 6), st.integers(1, 3),
+       st.integers(0, 2**31))
+def test_a_trace_round_trips_through_json(experts: list[int], steps: int, tokens: int, seed: int) -> None:
+    groups = tuple(group(e, layer=layer) for layer, e in enumerate(experts))
+    trace = zipf_trace(groups, steps=steps, top_k=min(2, min(experts)), tokens=tokens, seed=seed)
+    text = trace_to_json(trace)
+    assert json.loads(text)["format"] == TRACE_FORMAT
+    assert trace_from_json(text) == trace
+    assert trace_from_json(trace_to_json(trace, indent=2).encode()) == trace
+
+
+@pytest.mark.parametrize(
+    ("replace", "words"),
+    [
+        ((TRACE_FORMAT, PROFILE_FORMAT), "not an offload-routing-trace/1 document"),
+        (('"steps": [[[0, 1]]]', '"steps": [[[1, 0]]]'), "sorted tuple of distinct expert indices"),
+        (('"steps": [[[0, 1]]]', '"steps": [[[0, 4]]]'), r"not all in 0\.\.3"),
+        (('"steps": [[[0, 1]]]', '"steps": [[[0], [1]]]'), "routed experts of 1 groups"),
+    ],
+)
+def test_a_bad_trace_document_is_refused(replace: tuple[str, str], words: str) -> None:
+    text = trace_to_json(trace_of((plan(4, 2, layer=0),), (((0, 1),),)))
+    assert replace[0] in text
+    with pytest.raises(PlanError, match=words):
+        trace_from_json(text.replace(*replace))

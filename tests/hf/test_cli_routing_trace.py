@@ -1,0 +1,74 @@
+"""``offload plan DIR --routing-trace FILE``: the estimate of a saved MoE checkpoint over
+the routing trace recorded from its model, a user's whole path (record, write the JSON,
+plan); a trace of another model, or one the plan cannot use, is an exit 2 naming why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload.cli import main
+from offload.executors.experts import record_routing
+from offload.pure.experts.profile import trace_to_json
+from offload.pure.experts.replay import belady, replay
+from offload.pure.plan.plan import OffloadPlan
+from tests.hf.checkpoints import save
+from tests.hf.moe_models import build_moe, decode_logits
+
+FLAGS = ("--backend", "prefetch", "--group-size", "1", "--prefetch-step", "2", "--expert-slots", "2", "--profile", "h100-pcie5")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _checkpoint_and_trace(tmp_path: Path, layers: int = 2) -> tuple[Path, Path, object]:
+    model = build_moe("qwen3_moe", layers)
+    with record_routing(model.model.layers) as record:
+        decode_logits(model, 1, steps=4)
+    trace = record.trace()
+    directory = save(model, tmp_path / f"model{layers}", sharded=False)
+    path = tmp_path / f"trace{layers}.json"
+    path.write_text(trace_to_json(trace))
+    return directory, path, trace
+
+
+def test_the_estimate_counts_the_caches_over_the_recorded_trace(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    directory, path, trace = _checkpoint_and_trace(tmp_path)
+    code, out, err = _run(capsys, "plan", str(directory), *FLAGS, "--json")
+    assert code == 0, err
+    plan = OffloadPlan.from_json(out)
+    assert len(plan.experts) == 2 and all(c.slots == 2 for c in plan.experts)
+    code, out, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(path))
+    assert code == 0, err
+    policy = replay(plan.experts, trace)  # type: ignore[arg-type]
+    optimum = belady(plan.experts, trace)  # type: ignore[arg-type]
+    assert f"hit rate {policy.hit_rate * 100:.1f}%, Belady {optimum.hit_rate * 100:.1f}%, over 5 steps" in out
+    assert "experts ms" in out
+    code, worst, err = _run(capsys, "plan", str(directory), *FLAGS)
+    assert code == 0 and "routing trace" not in worst and "experts ms" not in worst
+
+
+def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory, _, _ = _checkpoint_and_trace(tmp_path)
+    _, deeper, _ = _checkpoint_and_trace(tmp_path, layers=3)
+    code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(deeper))
+    assert code == 2 and "2:mlp.experts is not this model's" in err
+    code, _, err = _run(capsys, "plan", str(directory), "--routing-trace", str(deeper))
+    assert code == 2 and "--routing-trace is for the estimate; give --profile" in err
+    code, _, err = _run(capsys, "plan", str(directory), "--fit-gib", "1", "--profile", "h100-pcie5",
+                        "--routing-trace", str(deeper))
+    assert code == 2 and "--fit-gib costs every expert as copied" in err
+    missing = tmp_path / "nothing.json"
+    code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(missing))
+    assert code == 2 and "--routing-trace: cannot read" in err and "No such file" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "offload-routing-trace/1", "trace": {"groups": [], "steps": [[[0]]]}}))
+    code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(bad))
+    assert code == 2 and "--routing-trace" in err and "groups" in err
