@@ -6,7 +6,8 @@ the output head are not layers and are not offloaded; `preset_outside_bytes` giv
 bytes, which stay on the device (and which `fit` counts). All weights are bf16 and not yet loaded
 (device `COMPUTE_DEVICE`). The MoE preset uses the fused expert layout inference engines
 load (``experts.w13_weight`` for gate and up, ``experts.w2_weight`` for down), so that
-filters like ``experts.w2_weight`` can be tried on it.
+filters like ``experts.w2_weight`` can be tried on it, and lists its experts modules, so
+that a prefetch plan gives each offloaded one the expert cache a loaded model's gets.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from offload.errors import PlanError
+from offload.pure.spec.experts import ExpertGroup, Routing
 from offload.pure.spec.values import LayerSpec, ModelSpec, ParamSpec, contiguous_stride
 
 __all__ = ["PRESETS", "llama_spec", "mixtral_spec", "preset_outside_bytes", "preset_spec"]
@@ -49,15 +51,22 @@ def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_he
 
 
 def mixtral_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, experts: int) -> ModelSpec:
-    """A Mixtral-style MoE decoder with fused expert weights."""
-    params = (
-        *_attention(hidden, heads, kv_heads),
-        _param("block_sparse_moe.gate.weight", experts, hidden),
+    """A Mixtral-style MoE decoder with fused expert weights, its experts modules listed
+    (`ModelSpec.experts`: each layer's ``block_sparse_moe.experts``, routed by indices), as
+    `describe_layers` lists a loaded one's."""
+    fused = (
         _param("block_sparse_moe.experts.w13_weight", experts, 2 * intermediate, hidden),
         _param("block_sparse_moe.experts.w2_weight", experts, hidden, intermediate),
     )
+    params = (*_attention(hidden, heads, kv_heads), _param("block_sparse_moe.gate.weight", experts, hidden), *fused)
+    groups = tuple(
+        ExpertGroup(layer=i, module="block_sparse_moe.experts", num_experts=experts,
+                    params=tuple(p.name for p in fused), expert_bytes=sum(p.nbytes for p in fused) // experts,
+                    routing=Routing.INDICES)
+        for i in range(layers))
     return ModelSpec(
-        layers=tuple(LayerSpec(index=i, name=f"model.layers.{i}", params=params) for i in range(layers))
+        layers=tuple(LayerSpec(index=i, name=f"model.layers.{i}", params=params) for i in range(layers)),
+        experts=groups,
     )
 
 

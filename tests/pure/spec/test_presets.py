@@ -144,3 +144,21 @@ def test_unknown_preset_lists_the_known_ones() -> None:
     assert "llama-7000b" in str(caught.value)
     for name in ARCHS:
         assert name in str(caught.value)
+
+
+def test_mixtrals_experts_modules_are_listed_so_that_a_prefetch_plan_caches_them_as_a_load_would() -> None:
+    """A loaded Mixtral's experts are found by shape and get expert caches by default; the
+    preset plans the same: one experts module per layer, E 8, each expert its rows of w13
+    and w2 in bf16."""
+    spec = preset_spec("mixtral-8x7b")
+    arch = ARCHS["mixtral-8x7b"]
+    assert [g.layer for g in spec.experts] == list(range(arch.layers))
+    for g in spec.experts:
+        assert (g.module, g.num_experts) == ("block_sparse_moe.experts", arch.experts)
+        assert g.params == ("block_sparse_moe.experts.w13_weight", "block_sparse_moe.experts.w2_weight")
+        assert g.expert_bytes == 2 * (2 * arch.intermediate * arch.hidden + arch.hidden * arch.intermediate)
+    plan = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, prefetch_step=2),
+                     EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=80 << 30,
+                                                   can_map_host_memory=True)))
+    assert [c.layer for c in plan.experts] == list(range(arch.layers))
+    assert all(c.slots == 1 for c in plan.experts)  # the default C, E / 8
