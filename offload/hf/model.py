@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -30,15 +31,17 @@ from offload.pure.config import OffloadConfig
 from offload.pure.disk.search import TierSearch, tier_search
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.values import RoutingProfile
 from offload.pure.fit.estimate import Workload
-from offload.pure.fit.profiles import PROFILES, DeviceProfile, profile_for_device
+from offload.pure.fit.profiles import PROFILES, DeviceProfile, planning_env, profile_for_device
 from offload.pure.fit.search import fit
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
-__all__ = ["CPU_TIER_CONFIG", "DEFAULT_PROFILE", "ModelOffloader", "offload_model", "offload_stacks", "outside_tensors", "plan_model"]
+__all__ = ["CPU_TIER_CONFIG", "DEFAULT_PROFILE", "BudgetExperts", "ModelOffloader", "offload_model", "offload_stacks",
+           "outside_tensors", "plan_model"]
 
 log = logger("offload.plan")
 
@@ -51,10 +54,44 @@ DEFAULT_PROFILE = "h200-pcie5"
 CPU_TIER_CONFIG = OffloadConfig(backend="prefetch", group_size=1, num_in_group=1, prefetch_step=1)
 
 
+@attrs.frozen(kw_only=True)
+class BudgetExperts:
+    """The expert options a budget plans with, where no `config` says them: `fit`'s
+    ``expert_cache`` and ``expert_slots``, and a routing profile the chosen configuration
+    then holds (`OffloadConfig`'s fields of those names, checked as it checks them).
+
+    Raises:
+        ConfigError: an option `OffloadConfig` refuses, naming it.
+    """
+
+    expert_cache: bool = True
+    expert_slots: int | None = None
+    routing_profile: RoutingProfile | None = None
+
+    def __attrs_post_init__(self) -> None:
+        OffloadConfig(expert_cache=self.expert_cache, expert_slots=self.expert_slots,
+                      routing_profile=self.routing_profile)
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """The options set to other than their defaults."""
+        return tuple(name for name, value, default in (
+            ("expert_cache", self.expert_cache, True), ("expert_slots", self.expert_slots, None),
+            ("routing_profile", self.routing_profile, None)) if value != default)
+
+    def on(self, config: OffloadConfig) -> OffloadConfig:
+        """`config` with these options (its `expert_slots` kept where none is given here)."""
+        return attrs.evolve(config, expert_cache=self.expert_cache, routing_profile=self.routing_profile,
+                            expert_slots=config.expert_slots if self.expert_slots is None else self.expert_slots)
+
+
+NO_EXPERT_OPTIONS = BudgetExperts()
+
+
 def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | None, device_budget_bytes: int | None,
                outside_bytes: int, reserve_bytes: int = 0, profile: DeviceProfile | None = None,
                workload: Workload | None = None, disk: DiskRequest | None = None,
-               layer_names: Sequence[str] = ()) -> OffloadPlan:
+               layer_names: Sequence[str] = (), experts: BudgetExperts = NO_EXPERT_OPTIONS) -> OffloadPlan:
     """The plan `offload_model` runs: `config` as given, or `fit` for the device budget
     counting the weights outside the layers as resident (the device's whole memory when
     neither is given and there is an accelerator).
@@ -68,24 +105,30 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
     Args:
         layer_names: with `disk`, each layer's name in the model (``model.layers.3``), to
             read the disk layers from `disk.checkpoint` where they lie there.
+        experts: without `config`, the expert options to plan with (`fit` searches with
+            them; the CPU tier's configuration takes them).
 
     Raises:
         ConfigError: both `config` and `device_budget_bytes`, or neither without an
             accelerator and without a host budget (the CPU runtime saves no memory: say
-            what to offload).
+            what to offload); `config` and expert options (the config carries its own).
         PlanError: nothing fits the budgets (from `fit`).
         CheckpointError: `disk.checkpoint` cannot be read.
     """
     if config is not None and device_budget_bytes is not None:
         raise ConfigError("give config or device_budget_bytes, not both", name="config", value=config)
     if config is not None:
+        if experts.given:
+            name = experts.given[0]
+            raise ConfigError(f"{', '.join(experts.given)}: with config=, set {'them' if len(experts.given) > 1 else 'it'}"
+                              f" on the config (OffloadConfig.{name})", name=name, value=getattr(experts, name))
         return make_plan(spec, config, env)
     platform = env.platform
     if device_budget_bytes is None:
         if not platform.has_cuda and disk is not None:
             log.info("no accelerator and a host budget of %s: every layer offloaded (%s), the disk tier holding "
                      "what the budget does not", format_bytes(disk.host_budget_bytes), CPU_TIER_CONFIG)
-            return make_plan(spec, CPU_TIER_CONFIG, env)
+            return make_plan(spec, experts.on(CPU_TIER_CONFIG), env)
         if not platform.has_cuda:
             raise ConfigError(
                 "no accelerator: pass config= (what to offload), device_budget_bytes= (a device to plan for) or "
@@ -95,15 +138,19 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
     chosen = profile or profile_for_device(platform.device_name) or PROFILES[DEFAULT_PROFILE]
     host = _tier_search(spec, env, chosen, disk, layer_names) if disk is not None else None
     result = fit(spec, env, chosen, workload or Workload(), device_budget_bytes, outside_bytes=outside_bytes,
-                 reserve_bytes=reserve_bytes, host=host)
+                 reserve_bytes=reserve_bytes, host=host, expert_cache=experts.expert_cache,
+                 expert_slots=experts.expert_slots)
     log.info("fit %s in %s%s on %s: %s", format_bytes(spec.nbytes + outside_bytes), format_bytes(device_budget_bytes),
              f" and {format_bytes(disk.host_budget_bytes)} of host memory" if disk is not None else "",
              chosen.name, result.chosen.config)
     if platform.has_cuda:
-        return result.plan
+        if experts.routing_profile is None:
+            return result.plan
+        # The profile's held experts take slots the fit counted: the same device bytes.
+        return make_plan(spec, experts.on(result.chosen.config), planning_env(env, chosen))
     # Planned for the profile's device from a machine without one: the same configuration,
     # planned for this machine, so that the mechanics run here (saving nothing).
-    return make_plan(spec, result.chosen.config, env)
+    return make_plan(spec, experts.on(result.chosen.config), env)
 
 
 def _tier_search(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, disk: DiskRequest,
@@ -135,6 +182,9 @@ def offload_model(
     spill_dir: str | os.PathLike[str] | None = None,
     disk_gbps: float | None = None,
     read_ahead: int = 2,
+    expert_cache: bool = True,
+    expert_slots: int | None = None,
+    routing_profile: RoutingProfile | None = None,
 ) -> ModelOffloader:
     """Offload a loaded model in one call: find its layer stack, plan, wrap, `post_init`.
 
@@ -170,6 +220,9 @@ def offload_model(
             the weights not read from the checkpoint; needed when there are any).
         disk_gbps: with a host budget, the disk's read rate for the estimate, GB/s.
         read_ahead: with a host budget, the staging buffers (reads ahead of the copies).
+        expert_cache, expert_slots, routing_profile: with a budget, a mixture-of-experts
+            model's expert options, as `OffloadConfig`'s (docs/moe.md): `fit` searches
+            with them. With `config`, set them on it.
 
     Returns:
         The offloader, ready: the model runs offloaded; ``restore()`` gives it back.
@@ -181,9 +234,10 @@ def offload_model(
     """
     disk = disk_request(host_budget_bytes, checkpoint=checkpoint, spill_dir=spill_dir, disk_gbps=disk_gbps,
                         read_ahead=read_ahead)
+    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile)
     return offload_stacks(model, find_stacks(model, layers_path), config, device_budget_bytes=device_budget_bytes,
                           env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                          disk=disk)
+                          disk=disk, experts=experts)
 
 
 def offload_stacks(
@@ -198,11 +252,12 @@ def offload_stacks(
     profile: DeviceProfile | None = None,
     workload: Workload | None = None,
     disk: DiskRequest | None = None,
+    experts: BudgetExperts = NO_EXPERT_OPTIONS,
 ) -> ModelOffloader:
     """`offload_model` of the given stacks of `model` (found by the caller: `find_stacks`,
     or every component's of a pipeline, `offload.diffusers.offload_pipeline`); the rest of
     `model` goes to the device. Arguments and errors as `offload_model`'s; `disk`: its
-    disk options (`disk_request`), or None."""
+    disk options (`disk_request`), or None; `experts`: its expert options."""
     if env is None:
         from offload.capture import capture_env
 
@@ -220,7 +275,8 @@ def offload_stacks(
     try:
         plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
                           outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
-                          workload=workload, disk=disk, layer_names=[names[id(layer)] for layer in layers])
+                          workload=workload, disk=disk, layer_names=[names[id(layer)] for layer in layers],
+                          experts=experts)
     except PlanError as exc:
         if device_budget_bytes is None and config is not None:
             raise

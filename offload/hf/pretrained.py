@@ -26,11 +26,12 @@ import torch
 
 from offload.errors import CheckpointError, ConfigError
 from offload.hf.disk import DiskRequest, disk_request
-from offload.hf.model import ModelOffloader, offload_model
+from offload.hf.model import BudgetExperts, ModelOffloader, offload_model
 from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.values import RoutingProfile
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.spec.safetensors import printable, short_repr
@@ -279,6 +280,9 @@ def offload_pretrained(
     spill_dir: str | os.PathLike[str] | None = None,
     disk_gbps: float | None = None,
     read_ahead: int = 2,
+    expert_cache: bool = True,
+    expert_slots: int | None = None,
+    routing_profile: RoutingProfile | None = None,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, ModelOffloader]:
     """Load a local checkpoint and offload it: `load_on_host`, then `offload_model`; with
@@ -294,7 +298,7 @@ def offload_pretrained(
     Args:
         path: the checkpoint directory.
         config, device_budget_bytes, env, runtime, reserve_bytes, profile, workload,
-            layers_path: as for `offload_model`.
+            layers_path, expert_cache, expert_slots, routing_profile: as for `offload_model`.
         dtype, model_class, kwargs: as for `load_on_host`.
         host_budget_bytes, spill_dir, disk_gbps, read_ahead: the disk tier, as for
             `offload_model` (its `checkpoint` is `path`). The model is then built with
@@ -312,14 +316,16 @@ def offload_pretrained(
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
     disk = disk_request(host_budget_bytes, spill_dir=spill_dir, disk_gbps=disk_gbps, read_ahead=read_ahead)
+    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile)
     if disk is not None:
         return _streamed(path, config, disk, device_budget_bytes=device_budget_bytes, env=env, dtype=dtype,
                          runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                         layers_path=layers_path, model_class=model_class, kwargs=kwargs)
+                         layers_path=layers_path, model_class=model_class, kwargs=kwargs, experts=experts)
     model = load_on_host(path, dtype=dtype, model_class=model_class, **kwargs)
     offloader = offload_model(model, config, device_budget_bytes=device_budget_bytes, env=env, runtime=runtime,
                               reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                              layers_path=layers_path)
+                              layers_path=layers_path, expert_cache=expert_cache, expert_slots=expert_slots,
+                              routing_profile=routing_profile)
     return model, offloader
 
 
@@ -327,7 +333,7 @@ def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, disk: 
               device_budget_bytes: int | None, env: EnvSnapshot | None, dtype: torch.dtype | None,
               runtime: Runtime | None, reserve_bytes: int, profile: DeviceProfile | None, workload: Workload | None,
               layers_path: str | Sequence[str] | None, model_class: Any,
-              kwargs: Mapping[str, Any]) -> tuple[PreTrainedModel, ModelOffloader]:
+              kwargs: Mapping[str, Any], experts: BudgetExperts) -> tuple[PreTrainedModel, ModelOffloader]:
     """`offload_pretrained` with a host budget: `offload.hf.streamed.load_streamed`."""
     from offload.hf.streamed import load_streamed
 
@@ -353,7 +359,7 @@ def _streamed(path: str | os.PathLike[str], config: OffloadConfig | None, disk: 
     model, offloader = load_streamed(root, model_class, config, disk=disk,
                                      device_budget_bytes=device_budget_bytes, env=env, dtype=dtype, runtime=runtime,
                                      reserve_bytes=reserve_bytes, profile=profile, workload=workload,
-                                     layers_path=layers_path,
+                                     layers_path=layers_path, experts=experts,
                                      library="diffusers" if _is_diffusers(model_class) else "transformers")
     loaded: PreTrainedModel = model  # type: ignore[assignment]  # a transformers (or diffusers) model, built from its class
     return loaded, offloader

@@ -57,7 +57,7 @@ from offload.executors.common import torch_dtype
 from offload.hf.conversions import LiveSource, Outside, live_sources, outside_sources, source_of
 from offload.hf.disk import DiskRequest, PieceSpill, plan_model_disk
 from offload.hf.layers import find_stacks
-from offload.hf.model import plan_model
+from offload.hf.model import NO_EXPERT_OPTIONS, BudgetExperts, plan_model
 from offload.hf.offloader import ModelOffloader, outside_bytes, outside_tensors
 from offload.logs import logger
 from offload.model.checkpoint import checkpoint_extents
@@ -304,6 +304,7 @@ def load_streamed(
     workload: Workload | None,
     layers_path: str | Sequence[str] | None,
     library: str = "transformers",
+    experts: BudgetExperts = NO_EXPERT_OPTIONS,
 ) -> tuple[nn.Module, ModelOffloader]:
     """`offload_pretrained` with a host budget (see the module docstring).
 
@@ -336,7 +337,8 @@ def load_streamed(
     layer_names = [names[id(layer)] for layer in layers]
     plan = plan_model(spec, env, config=config, device_budget_bytes=device_budget_bytes,
                       outside_bytes=outside_bytes(rest), reserve_bytes=reserve_bytes, profile=profile,
-                      workload=workload, disk=attrs.evolve(disk, checkpoint=root), layer_names=layer_names)
+                      workload=workload, disk=attrs.evolve(disk, checkpoint=root), layer_names=layer_names,
+                      experts=experts)
     tier = plan_model_disk(model, layers, plan, env, attrs.evolve(disk, checkpoint=root))
     sources = live_sources(model, found.tensors)
     on_disk = {(p.layer, p.name): p for p in tier.params} if tier is not None else {}

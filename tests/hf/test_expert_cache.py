@@ -353,3 +353,55 @@ def test_the_estimate_given_the_recorded_trace_predicts_the_bytes_and_hit_rate_t
     rate = step.expert_hit_rate
     assert rate is not None and rate == pytest.approx(hits / (hits + sum(c.misses for c in measured)))
     assert step.belady_hit_rate is not None and step.belady_hit_rate >= rate
+
+
+def _budget_case(layers: int = 4) -> tuple[Any, int, EnvSnapshot, Any]:
+    model = build_moe("qwen3_moe", layers)
+    spec = describe_layers(model.model.layers)
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - spec.nbytes
+    return model, outside + int(spec.nbytes * 0.8), EnvSnapshot(flags=EnvFlags(disable_uva=True)), \
+        profile_by_name("h100-pcie5")
+
+
+def test_a_device_budget_takes_the_expert_options_and_stays_exact() -> None:
+    """With a budget there is no config to carry them: `offload_model` takes the expert
+    options itself, `fit` searches with them, and the chosen plan holds them."""
+    from offload.executors.experts import record_routing
+    from offload.pure.experts.profile import held_from_profile
+
+    expected = _decode(build_moe("qwen3_moe", 4), 2)
+    model, budget, env, profile = _budget_case()
+    off = offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                        expert_cache=False)
+    assert off.plan.experts == () and off.plan.config.expert_cache is False
+    assert _equal(_decode(model, 2), expected)
+    off.restore()
+    off = offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                        expert_slots=3)
+    assert off.plan.experts and all(c.slots == 3 for c in off.plan.experts)
+    assert _equal(_decode(model, 2), expected)
+    off.restore()
+    with record_routing(model.model.layers) as record:
+        _decode(model, 2)
+    recorded = record.profile()
+    off = offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                        expert_slots=4, routing_profile=recorded)
+    assert [c.held for c in off.plan.experts] == [held_from_profile(recorded, c.group, 2) for c in off.plan.experts]
+    assert any(c.held for c in off.plan.experts)
+    assert _equal(_decode(model, 2), expected)
+    off.restore()
+
+
+def test_expert_options_beside_a_config_or_out_of_range_are_refused_before_anything_moves() -> None:
+    model, budget, env, profile = _budget_case(2)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=r"expert_slots: with config=, set it on the config") as caught:
+        offload_model(model, EVERY_LAYER, env=env, runtime=CpuRuntime(), expert_slots=2)
+    assert caught.value.name == "expert_slots" and caught.value.value == 2
+    with pytest.raises(ConfigError, match="expert_cache, expert_slots: with config=, set them"):
+        offload_model(model, EVERY_LAYER, env=env, runtime=CpuRuntime(), expert_cache=False, expert_slots=2)
+    with pytest.raises(ConfigError) as caught:
+        offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                      expert_slots=0)
+    assert caught.value.name == "expert_slots" and caught.value.value == 0
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before

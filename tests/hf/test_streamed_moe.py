@@ -97,6 +97,23 @@ def test_a_host_budget_that_holds_every_layer_is_bit_for_bit(name: str, tmp_path
     _same_weights(model, reference)
 
 
+def test_a_host_budget_alone_takes_the_expert_options(tmp_path: Path) -> None:
+    """No accelerator and no config: every layer offloaded (`CPU_TIER_CONFIG`) with the
+    expert options given, streamed from the checkpoint, bit for bit."""
+    checkpoint, reference = _save("qwen3_moe", tmp_path)
+    budget = 4 * plan_tier(reference, checkpoint, config=CONFIG)[0].host_bytes
+    model, offloader = offload_pretrained(checkpoint, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                          host_budget_bytes=budget, expert_slots=3)
+    assert len(offloader.plan.experts) == 4 and all(c.slots == 3 for c in offloader.plan.experts)
+    assert torch.equal(_logits(model), _logits(reference))
+    offloader.restore()
+    model, offloader = offload_pretrained(checkpoint, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                          host_budget_bytes=budget, expert_cache=False)
+    assert offloader.plan.experts == ()
+    assert torch.equal(_logits(model), _logits(reference))
+    offloader.restore()
+
+
 def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, Any],
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     name, checkpoint, reference = saved
