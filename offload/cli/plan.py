@@ -175,7 +175,8 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
             both = fit_with_tier(spec, env, profile, workload, budget, host_budget_bytes=disk[0], disk_gbps=disk[1],
                                  read_ahead=disk[2], outside_bytes=source.outside_bytes,
                                  reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
-                                 expert_slots=args.expert_slots, layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
+                                 expert_slots=args.expert_slots,
+                                 layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
                                  tensors=found.tensors if found is not None else None,
                                  extents=found.extents if found is not None else None,
                                  files=found.files if found is not None else ())

@@ -89,9 +89,9 @@ class _Cache:
         self.hits += len(access.hits)
         self.misses += len(access.misses)
         self.evictions += len(access.evicted)
+        done: Event | None = None
         if access.misses:
             after: Event | None = self._rt.record()
-            done: Event | None = None
             for first, stop in _runs(sorted(e for e, _ in access.misses)):
                 for i, (row, host) in enumerate(zip(self.rows, self.hosts, strict=True)):
                     if isinstance(row, torch.Tensor) and isinstance(host, torch.Tensor):
@@ -102,11 +102,13 @@ class _Cache:
                             done = self._rt.copy_after(row[expert], host[expert], after)
                         self.copies += stop - first
                     self.bytes_copied += (stop - first) * self.row_bytes[i]
-            if done is not None:
-                self._rt.wait(done)
+        # The hits' device copies go on the compute stream while the misses' copies run on
+        # the copy stream: other rows, and no hit's slot is evicted by this call.
         for expert, slot in access.hits:
             for row, cache in zip(self.rows, self.slots, strict=True):
                 row[expert].copy_(cache[slot])
+        if done is not None:
+            self._rt.wait(done)  # before the module reads the rows, and a kept miss's row is read
         for expert, kept in access.misses:
             if kept is not None:
                 for row, cache in zip(self.rows, self.slots, strict=True):

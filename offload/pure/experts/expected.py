@@ -75,13 +75,13 @@ def restrict_trace(trace: RoutingTrace, plans: tuple[ExpertCachePlan, ...],
     """
     if not isinstance(trace, RoutingTrace):
         raise PlanError(f"routing must be a RoutingTrace, got {trace!r}", name="routing", value=trace)
-    known = params if params is not None else frozenset()
-    for group in trace.groups if params is not None else ():
-        missing = [name for name in group.params if (group.layer, name) not in known]
-        if missing:
-            raise PlanError(f"the routing trace's experts module {group.layer}:{group.module} is not this model's "
-                            f"(its layer {group.layer} has no parameter {missing[0]})", name="routing",
-                            value=(group.layer, group.module))
+    if params is not None:
+        for group in trace.groups:
+            missing = [name for name in group.params if (group.layer, name) not in params]
+            if missing:
+                raise PlanError(f"the routing trace's experts module {group.layer}:{group.module} is not this "
+                                f"model's (its layer {group.layer} has no parameter {missing[0]})", name="routing",
+                                value=(group.layer, group.module))
     named = [(g.layer, g.module) for g in trace.groups]
     for plan in plans:
         if (plan.layer, plan.group.module) not in named:
