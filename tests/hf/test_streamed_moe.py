@@ -114,7 +114,7 @@ def test_a_host_budget_alone_takes_the_expert_options(tmp_path: Path) -> None:
     offloader.restore()
 
 
-def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, Any],
+def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, Any], tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     name, checkpoint, reference = saved
     code = main(["plan", str(checkpoint), "--group-size", "1", "--prefetch-step", "2", "--json"])
@@ -134,6 +134,15 @@ def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, An
     assert tuple(c.group for c in plan.experts) == groups
     _, offloader = offload_pretrained(checkpoint, CONFIG, env=EnvSnapshot(), runtime=CpuRuntime())
     assert offloader.plan.experts == plan.experts
+    offloader.restore()
+    # planned before downloading (its config.json alone): the same caches
+    alone = tmp_path / "config-only"
+    alone.mkdir()
+    (alone / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    code = main(["plan", str(alone), "--group-size", "1", "--prefetch-step", "2", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert OffloadPlan.from_json(out).experts == plan.experts
 
 
 class ChunkedLlama(LlamaForCausalLM):  # type: ignore[no-untyped-call]  # transformers: __init_subclass__ untyped
