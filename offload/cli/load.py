@@ -69,6 +69,12 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     env = capture()
     config, budget, how = _load_request(args, env.platform.has_cuda)
+    experts: dict[str, Any] = {}
+    if args.expert_slots is not None:  # on the config where one is given, else for the fit
+        if config is not None:
+            config = attrs.evolve(config, expert_slots=args.expert_slots)
+        else:
+            experts["expert_slots"] = args.expert_slots
     try:
         import torch
         import transformers.modeling_utils  # noqa: F401  (imported before the clock starts: 2 s, not loading)
@@ -88,7 +94,8 @@ def cmd_load(args: argparse.Namespace) -> int:
                 args.directory, config, device_budget_bytes=budget, env=env,
                 dtype=None if args.dtype is None else getattr(torch, args.dtype),
                 reserve_bytes=gib_bytes(args.reserve_gib or 0.0),
-                profile=profile_by_name(args.profile) if args.profile else None, model_class=model_class, **disk)
+                profile=profile_by_name(args.profile) if args.profile else None, model_class=model_class, **disk,
+                **experts)
         except OffloadError:
             raise
         except (OSError, ValueError, RuntimeError) as exc:  # transformers refusing the directory's contents
@@ -320,9 +327,13 @@ def _plan_summary(plan: OffloadPlan, outside_bytes: int) -> str:
     layers = len({p.layer for p in plan.params if p.offloaded})
     cycles = len(plan.schedule.cycles)
     stacks = f" in {cycles} stacks, each prefetched on its own" if cycles else ""
+    slots = sorted({c.slots for c in plan.experts})
+    experts = "" if not plan.experts else (
+        f"; expert caches in {len(plan.experts)} layers, {'/'.join(map(str, slots))} slots each")
     return (f"{plan.backend.value}, {layers} of {plan.num_layers} layers offloaded{stacks}; device "
             f"{format_bytes(plan.device_bytes_resident)} resident + {format_bytes(plan.device_bytes_buffers)} "
-            f"buffers + {format_bytes(outside_bytes)} outside the layers; host {format_bytes(plan.host_bytes)}")
+            f"buffers + {format_bytes(outside_bytes)} outside the layers; host {format_bytes(plan.host_bytes)}"
+            f"{experts}")
 
 
 def _stats_summary(stats: OffloadStats) -> str:
@@ -330,9 +341,11 @@ def _stats_summary(stats: OffloadStats) -> str:
     disk = "" if not stats.disk_layers else (
         f", {format_bytes(stats.disk_bytes_read)} read from disk"
         + ("" if stats.disk_gbps is None else f" at {stats.disk_gbps:.2f} GB/s"))
+    experts = "" if not stats.experts else (
+        f", experts {sum(c.hits for c in stats.experts)} hits and {sum(c.misses for c in stats.experts)} misses")
     return (f"{stats.params_offloaded} parameters offloaded, host {format_bytes(stats.host_bytes)}, device buffers "
             f"{format_bytes(stats.device_buffer_bytes)}, {stats.copies_issued} copies of "
-            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks{disk}")
+            f"{format_bytes(stats.bytes_copied)}, waited {waited}, {stats.pin_fallbacks} pin fallbacks{disk}{experts}")
 
 
 def _restore_and_check(model: Any, offloader: Any) -> int:

@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="when fitting: device GiB kept for activations and caches (default 0)")
     load.add_argument("--profile", choices=sorted(PROFILES),
                       help="when fitting: the device's speeds (default: matched from its name)")
+    load.add_argument("--expert-slots", type=positive_int,
+                      help="C, device slots of each expert cache of a mixture-of-experts model (default E / 8)")
     load.add_argument("--dtype", choices=LOAD_DTYPES, help="the weights' dtype (default: the checkpoint's)")
     load.add_argument("--class", dest="model_class", metavar="NAME",
                       help="the model class to build, a transformers or diffusers class name "

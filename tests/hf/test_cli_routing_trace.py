@@ -72,3 +72,19 @@ def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
     bad.write_text(json.dumps({"format": "offload-routing-trace/1", "trace": {"groups": [], "steps": [[[0]]]}}))
     code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(bad))
     assert code == 2 and "--routing-trace" in err and "groups" in err
+
+
+def test_offload_load_of_a_moe_checkpoint_sizes_and_reports_its_expert_caches(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory, _, _ = _checkpoint_and_trace(tmp_path)
+    code, out, err = _run(capsys, "load", str(directory), "--backend", "prefetch", "--group-size", "1",
+                          "--prefetch-step", "2", "--expert-slots", "3")
+    assert code == 0, err
+    assert "expert caches in 2 layers, 3 slots each" in out
+    stats = next(line for line in out.splitlines() if line.startswith("stats:"))
+    hits, misses = (int(stats.split(" hits and ")[0].rsplit(" ", 1)[1]),
+                    int(stats.split(" hits and ")[1].split(" misses")[0]))
+    assert misses > 0 and hits + misses > 0
+    code, _, err = _run(capsys, "load", str(directory), "--backend", "prefetch", "--group-size", "1",
+                        "--expert-slots", "65")
+    assert code == 2 and "expert_slots (C) 65 is more than the 64 experts of layer 0" in err
