@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.errors import PlanError
 from offload.pure import EnvSnapshot, OffloadConfig, OffloadPlan, make_plan
 from offload.pure.disk.estimate import estimate_with_tier
 from offload.pure.disk.tier import plan_disk_tier
+from offload.pure.experts.replay import replay, zipf_trace
 from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.render import render_estimate
@@ -169,3 +172,25 @@ def test_on_the_disk_tier_the_trace_reads_the_misses_at_the_call_not_the_experts
         hits = {0: 6 * B / 4}.get(layer.layer, 0.0)
         assert layer.expert_seconds == pytest.approx(misses / rate + misses / disk_rate + 2 * hits / 1000.0)
     assert read_per_step and {0, 1} & on_disk
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(2, 12), min_size=1, max_size=5), st.integers(1, 12), st.integers(1, 4),
+       st.integers(1, 3), st.integers(0, 2**31), st.sampled_from([1, 2, 3]))
+def test_the_estimates_expert_bytes_are_the_replays_per_layer_and_step(experts: list[int], steps: int, slots: int,
+                                                                       tokens: int, seed: int, depth: int) -> None:
+    """For any model, cache size and Zipf trace: each layer's expert bytes per step are the
+    replay's misses x B over the steps (rounded), and the step's bytes are the copies plus
+    those; the hit rate is the replay's."""
+    spec = moe_spec([(8, e) for e in experts])
+    plan = _plan(spec, expert_slots=min(slots, min(experts)), prefetch_step=min(depth, len(experts)))
+    trace = zipf_trace(spec.experts, steps=steps, top_k=min(2, min(experts)), tokens=tokens, seed=seed)
+    step = estimate(plan, PROFILE, WORKLOAD, routing=trace)
+    replayed = replay(plan.experts, trace)
+    for g in replayed.groups:
+        assert step.layers[g.layer].expert_bytes == round(g.miss_bytes / steps)
+    assert step.offloaded_bytes_per_step == sum(layer.copy_bytes for layer in step.layers) + step.expert_bytes
+    assert step.expert_hit_rate == pytest.approx(replayed.hit_rate)
+    assert step.belady_hit_rate is not None and step.expert_hit_rate is not None
+    assert step.belady_hit_rate >= step.expert_hit_rate - 1e-12
+    assert abs(step.expert_bytes * steps - replayed.total_bytes) <= len(experts) * steps / 2
