@@ -94,6 +94,7 @@ class Table:
     stack_ranges: tuple[tuple[int, int], ...] = ()  # the model's stacks, (first, stop) layers each
     cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
     cache_keys: tuple[frozenset[Key], ...] = ()  # per layer: the buffer keys its caches serve; (): none
+    served_bytes: tuple[int, ...] = ()  # per layer: the bytes of the parameters its caches serve; (): none
     expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
     # The search's C, its plans' `OffloadConfig.expert_slots`: the user's, or 1 where the
     # model has caches to cost.
@@ -170,31 +171,35 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
             owners[(first_layer, first.name)] = _key(first)
-    caches, cache_keys = _caches(spec, owners, expert_slots or 1) if expert_cache else ((), ())
+    caches, cache_keys, served = _caches(spec, owners, expert_slots or 1) if expert_cache else ((), (), ())
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
-        cache_bytes=caches, cache_keys=cache_keys, expert_cache=expert_cache,
+        cache_bytes=caches, cache_keys=cache_keys, served_bytes=served, expert_cache=expert_cache,
         expert_slots=(expert_slots or 1) if caches else expert_slots,
     )
 
 
 def _caches(spec: ModelSpec, owners: Mapping[tuple[int, str], Key], slots: int
-            ) -> tuple[tuple[int, ...], tuple[frozenset[Key], ...]]:
+            ) -> tuple[tuple[int, ...], tuple[frozenset[Key], ...], tuple[int, ...]]:
     """Per layer, the bytes of `slots` slots of each experts module whose parameters all
     have buffers of their own when the layer is prefetched (`plan_expert_caches`' rule:
-    prefetched, untied), and those parameters' buffer keys; () each when there are none."""
+    prefetched, untied), those parameters' buffer keys and their bytes; () each when there
+    are none."""
     out = [0] * len(spec.layers)
     keys: list[set[Key]] = [set() for _ in spec.layers]
+    served = [0] * len(spec.layers)
     for group in spec.experts:
         refs = [(group.layer, name) for name in group.params]
         if all(ref in owners for ref in refs):
             out[group.layer] += slots * group.expert_bytes
             keys[group.layer].update(owners[ref] for ref in refs)
-    return (tuple(out), tuple(map(frozenset, keys))) if any(out) else ((), ())
+            sizes = {p.name: p.nbytes for p in spec.layers[group.layer].params}
+            served[group.layer] += sum(sizes[name] for name in group.params)
+    return (tuple(out), tuple(map(frozenset, keys)), tuple(served)) if any(out) else ((), (), ())
 
 
 def _rows(table: Table, positions: Iterable[int]) -> dict[Key, int]:
@@ -255,14 +260,18 @@ def cycle_slots(num_positions: int, depth: int, cycles: Sequence[int] = ()) -> l
 def _most_kept(table: Table, intervals: tuple[tuple[int, int], ...], max_step: int, room: int) -> int:
     """The most bytes a layer set's depths 1 .. `max_step` leave alone in a slot
     (`kept_bytes`) at a depth whose buffers may fit in `room` device bytes. Each of the
-    ``s`` slots holds at least its first owner's whole copy (positions ``0 .. s-1``), so a
-    depth whose first ``s`` positions take more than `room` bytes cannot fit."""
+    ``s`` slots holds at least its first owner's copy (positions ``0 .. s-1``) but for the
+    parameters its expert caches serve, whose rows may be one buffer for all slots
+    (`_rows`), so a depth whose first ``s`` positions take more than `room` bytes so
+    counted cannot fit."""
     positions = [i for a, b in intervals for i in range(a, b) if table.layer_has[i]]
     n = len(positions)
     sums = _prefix_sums(table.layer_bytes[i] for i in positions)
+    served = table.served_bytes or (0,) * len(table.layer_bytes)
+    in_slots = _prefix_sums(table.layer_bytes[i] - served[i] for i in positions)
     # Both the kept range n - s .. s - 1 and the first owners grow with s = min(depth, n).
     for s in range(min(max_step, n), 0, -1):
-        if sums[s] <= room:
+        if in_slots[s] <= room:
             return sums[s] - sums[n - s] if 2 * s > n else 0
     return 0
 
