@@ -24,6 +24,7 @@ from offload.pure.fit.profiles import planning_env
 from offload.pure.fit.search import fit
 from offload.pure.plan.plan import Backend, OffloadPlan
 from tests.pure.fit.test_search import ENVS, MAX_STEP, SPECS, TOKENS, TOY, device_bytes
+from tests.pure.fit.test_search_experts import moe_specs
 
 #: A disk as slow as the toy link (1000 bytes/s), so that reads matter beside copies.
 DISK_GBPS = 1e-6
@@ -62,10 +63,11 @@ def tiered(plan: OffloadPlan, host_budget: int, tokens: int, read_ahead: int) ->
     return tier.host_bytes, estimate_with_tier(plan, tier, TOY, workload).step_seconds
 
 
-def configs(spec: ModelSpec, env: EnvSnapshot) -> list[OffloadConfig]:
+def configs(spec: ModelSpec, env: EnvSnapshot, expert_slots: int | None = None) -> list[OffloadConfig]:
     layers = len(spec.layers)
     found = [OffloadConfig(backend="none")]
-    found += [OffloadConfig(backend="prefetch", group_size=g, num_in_group=k, prefetch_step=d)
+    found += [OffloadConfig(backend="prefetch", group_size=g, num_in_group=k, prefetch_step=d,
+                            expert_slots=expert_slots)
               for g in range(1, layers + 1) for k in range(1, g + 1) for d in range(1, layers + 1)]
     every = make_plan(spec, OffloadConfig(backend="uva", uva_max_bytes=1 << 60), planning_env(env, TOY))
     prefix = 0
@@ -77,11 +79,12 @@ def configs(spec: ModelSpec, env: EnvSnapshot) -> list[OffloadConfig]:
 
 
 def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host_budget: int,
-           read_ahead: int = 2) -> list[tuple[float, int, OffloadConfig]]:
-    """(step, host bytes, config) of every configuration meeting both budgets."""
+           read_ahead: int = 2, expert_slots: int | None = None) -> list[tuple[float, int, OffloadConfig]]:
+    """(step, host bytes, config) of every configuration meeting both budgets (prefetch's
+    expert caches at `expert_slots` slots each: None, the default)."""
     penv = planning_env(env, TOY)
     out = []
-    for config in configs(spec, env):
+    for config in configs(spec, env, expert_slots):
         need, _ = device_bytes(penv, config, spec, tokens, 0)
         if need > device_budget:
             continue
@@ -99,10 +102,12 @@ def run(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host
 
 
 def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float, host: float,
-                  read_ahead: int) -> None:
-    """Both budgets (fractions of the model's bytes) against the oracle (the module docstring)."""
+                  read_ahead: int, expert_slots: int | None = None) -> None:
+    """Both budgets (fractions of the model's bytes) against the oracle (the module
+    docstring); a MoE model's caches at `expert_slots` slots in the oracle (1: what the
+    search costs them at before it sizes the winner's)."""
     device_budget, host_budget = int(spec.nbytes * device), int(spec.nbytes * host)
-    meeting = oracle(spec, env, tokens, device_budget, host_budget, read_ahead)
+    meeting = oracle(spec, env, tokens, device_budget, host_budget, read_ahead, expert_slots)
     if not meeting:
         with pytest.raises(PlanError) as caught:
             run(spec, env, tokens, device_budget, host_budget, read_ahead)
@@ -115,11 +120,11 @@ def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
         least_host = int(message.split("the least host budget is ")[1].split("(")[1].split(" bytes")[0])
         least_device = int(message.split("the least device budget is ")[1].split("(")[1].split(" bytes")[0])
         assert least_host > host_budget and least_device > device_budget
-        assert oracle(spec, env, tokens, device_budget, least_host, read_ahead)
-        assert oracle(spec, env, tokens, least_device, host_budget, read_ahead)
+        assert oracle(spec, env, tokens, device_budget, least_host, read_ahead, expert_slots)
+        assert oracle(spec, env, tokens, least_device, host_budget, read_ahead, expert_slots)
         # And they are the least: a byte less meets neither.
-        assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead)
-        assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead)
+        assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead, expert_slots)
+        assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead, expert_slots)
         run(spec, env, tokens, device_budget, least_host, read_ahead)
         run(spec, env, tokens, least_device, host_budget, read_ahead)
         return
@@ -158,6 +163,17 @@ def test_budgets_where_disk_tiers_are_the_answer(spec: ModelSpec, env: EnvSnapsh
     # Several layers, and host budgets below the offloaded bytes but above a ring: the
     # region where the chosen plan runs with a disk tier.
     check_budgets(spec, env, tokens, device, host, read_ahead)
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=moe_specs(), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1), host=st.floats(0.0, 1.1),
+       read_ahead=st.sampled_from([1, 2]))
+def test_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int,
+                                                                   device: float, host: float,
+                                                                   read_ahead: int) -> None:
+    """The expert caches' device bytes and their rows, one buffer for all slots, inside
+    both budgets; the oracle's caches at one slot each, as the search costs them."""
+    check_budgets(spec, env, tokens, device, host, read_ahead, expert_slots=1)
 
 
 @settings(max_examples=30, deadline=None)
