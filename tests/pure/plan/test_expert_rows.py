@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.errors import PlanError
-from offload.pure import EnvSnapshot, OffloadConfig, OffloadPlan, make_plan
+from offload.pure import EnvSnapshot, OffloadConfig, OffloadPlan, Placement, make_plan
 from offload.pure.plan.blocks import layer_copies
 from offload.pure.plan.render import render_plan
 from offload.pure.plan.revise import revise_plan
 from offload.pure.plan.values import BufferPlan
 from offload.pure.spec.values import ModelSpec, contiguous_stride
-from tests.pure.fit.test_search_experts import moe_spec
+from tests.pure.fit.test_search_experts import moe_spec, moe_specs
 
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SIX = moe_spec([(8, 16)] * 6)
@@ -115,3 +117,37 @@ def test_the_plan_shows_which_buffers_are_one_for_all_slots() -> None:
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("attn.", "mlp."))}
     assert "one buffer (expert rows)" in rows[EXPERTS[0]] and "one buffer" in rows[EXPERTS[1]]
     assert "one buffer" not in rows["attn.weight"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=moe_specs(), group=st.integers(1, 5), share=st.integers(1, 5), depth=st.integers(1, 5),
+       slots=st.one_of(st.none(), st.integers(1, 2)), cache=st.booleans())
+def test_every_prefetched_experts_module_has_one_cache_and_the_device_bytes_add_up(
+        spec: ModelSpec, group: int, share: int, depth: int, slots: int | None, cache: bool) -> None:
+    """For any MoE model and prefetch config: a cache per prefetched experts module and none
+    else, each of C slots (1 to E) over exactly its module's parameters, all prefetched; a
+    key is one buffer for all slots exactly when every prefetched owner of it is served by
+    a cache; the device bytes are the buffers (shared ones once) and the caches; the plan
+    survives JSON."""
+    share = min(share, group)
+    smallest = min((g.num_experts for g in spec.experts), default=2)
+    plan = _plan(spec, group_size=group, num_in_group=share, prefetch_step=depth, expert_cache=cache,
+                 expert_slots=None if slots is None else min(slots, smallest))
+    prefetched = {(p.layer, p.name) for p in plan.params if p.placement is Placement.PREFETCH}
+    expected = [g for g in spec.experts if cache and all((g.layer, n) in prefetched for n in g.params)]
+    assert [c.group for c in plan.experts] == expected
+    for c in plan.experts:
+        assert 1 <= c.slots <= c.group.num_experts
+        assert c.slots == (min(slots, smallest) if slots is not None else max(1, c.group.num_experts // 8))
+    served = {(c.layer, n) for c in plan.experts for n in c.group.params}
+    owners: dict[tuple[str, tuple[int, ...], tuple[int, ...], str], set[bool]] = {}
+    for p in plan.params:
+        if p.placement is Placement.PREFETCH and p.tied_to is None:
+            owners.setdefault(p.param.buffer_key, set()).add((p.layer, p.name) in served)
+    for key, kinds in owners.items():
+        buffer = next((b for b in plan.buffers if (b.name, b.shape, b.stride, b.dtype) == key), None)
+        if buffer is not None:
+            assert buffer.shared is (kinds == {True})
+    assert plan.device_bytes_buffers == sum(b.nbytes for b in plan.buffers) + sum(c.device_bytes for c in plan.experts)
+    assert all(b.nbytes == (b.slot_bytes if b.shared else b.slot_bytes * len(b.slots)) for b in plan.buffers)
+    assert OffloadPlan.from_json(plan.to_json()) == plan
