@@ -142,9 +142,10 @@ def _routing(args: argparse.Namespace, profile: DeviceProfile | None) -> Routing
 def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     if profile is None:
         raise UserError("offload plan: --fit-gib needs --profile NAME, or --link-gbps and --tflops")
-    if args.routing_trace is not None:
-        raise UserError("offload plan: --fit-gib costs every expert as copied; --routing-trace is for the estimate "
-                        "of a configuration you give (drop --fit-gib, or --routing-trace)")
+    routing = _routing(args, profile)
+    if routing is not None and args.host_gib is not None:
+        raise UserError("offload plan: --routing-trace with --fit-gib and --host-gib is not searched yet (the disk "
+                        "tier's reads of missed experts are not costed); drop one of them")
     chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
                                        ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
                                        ("--uva-gib", args.uva_gib)) if value is not None]
@@ -166,7 +167,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
         if disk is None:
             result = fit(spec, env, profile, workload, budget, outside_bytes=source.outside_bytes,
                          reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
-                         expert_slots=args.expert_slots)
+                         expert_slots=args.expert_slots, routing=routing)
             tier = None
         else:
             # Both budgets: the fit searches the plans whose host copies, with a disk tier

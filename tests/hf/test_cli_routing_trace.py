@@ -63,8 +63,8 @@ def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
     code, _, err = _run(capsys, "plan", str(directory), "--routing-trace", str(deeper))
     assert code == 2 and "--routing-trace is for the estimate; give --profile" in err
     code, _, err = _run(capsys, "plan", str(directory), "--fit-gib", "1", "--profile", "h100-pcie5",
-                        "--routing-trace", str(deeper))
-    assert code == 2 and "--fit-gib costs every expert as copied" in err
+                        "--host-gib", "1", "--routing-trace", str(deeper))
+    assert code == 2 and "with --fit-gib and --host-gib is not searched yet" in err
     missing = tmp_path / "nothing.json"
     code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(missing))
     assert code == 2 and "--routing-trace: cannot read" in err and "No such file" in err
@@ -88,3 +88,18 @@ def test_offload_load_of_a_moe_checkpoint_sizes_and_reports_its_expert_caches(
     code, _, err = _run(capsys, "load", str(directory), "--backend", "prefetch", "--group-size", "1",
                         "--expert-slots", "65")
     assert code == 2 and "expert_slots (C) 65 is more than the 64 experts of layer 0" in err
+
+
+def test_a_fit_over_the_recorded_trace_gives_the_estimate_over_it(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    directory, path, trace = _checkpoint_and_trace(tmp_path)
+    budget = "0.0005"  # GiB: below the model's layers, where prefetch with caches wins
+    code, out, err = _run(capsys, "plan", str(directory), "--fit-gib", budget, "--profile", "h100-pcie5",
+                          "--json", "--routing-trace", str(path))
+    assert code == 0, err
+    chosen = json.loads(out)
+    code, out, err = _run(capsys, "plan", str(directory), "--fit-gib", budget, "--profile", "h100-pcie5",
+                          "--routing-trace", str(path))
+    assert code == 0, err
+    assert chosen["plan"]["experts"] and chosen["chosen"]["config"]["expert_cache"] is True
+    assert "over 5 steps of the routing trace" in out and "experts ms" in out

@@ -181,7 +181,13 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
         return None
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
     per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
-    return _candidate(table, config, busy=table.compute, offloaded_bytes=per_step,
+    busy: Sequence[float] = table.compute
+    if table.expert_wait:  # a routing trace: each offloaded layer waits at its experts' calls
+        on = set(expanded.positions)
+        busy = [c + (w if i in on else 0.0) for i, (c, w) in enumerate(zip(table.compute, table.expert_wait,
+                                                                              strict=True))]
+        per_step += sum(table.expert_moved[i] for i in expanded.positions)
+    return _candidate(table, config, busy=busy, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
                       copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
                       positions=expanded.positions, schedule=schedule,

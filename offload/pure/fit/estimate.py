@@ -56,6 +56,7 @@ __all__ = [
     "StepEstimate",
     "Workload",
     "estimate",
+    "expert_seconds",
     "layer_compute_seconds",
     "simulate_prefetch",
 ]
@@ -291,10 +292,10 @@ def _from_loads(
     uva_rate = profile.zero_copy_bytes_per_s
     load_of = {} if experts is None else {load.layer: load for load in experts.layers}
     expert_reads = _expert_reads(load_of, disk)
-    expert_seconds = [
-        _expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
+    waits = [
+        expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
         for layer in range(len(compute))]
-    extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, expert_seconds, strict=True)]
+    extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, waits, strict=True)]
     busy = [c + e for c, e in zip(compute, extra, strict=True)]
     copy = [copy_bytes[layer] / rate for layer in positions]
     once = {positions[i] for i in schedule.kept_positions}
@@ -329,7 +330,7 @@ def _from_loads(
                 on_demand_bytes=on_demand_bytes[layer],
                 loaded_once_bytes=copy_bytes[layer] - per_step[layer],
                 disk_read_seconds=read_per_step.get(layer, 0.0) + expert_reads.get(layer, 0.0),
-                expert_seconds=expert_seconds[layer],
+                expert_seconds=waits[layer],
                 expert_bytes=round(load_of[layer].miss_bytes) if layer in load_of else 0,
                 expert_routed=load_of[layer].routed if layer in load_of else 0.0,
                 expert_hits=load_of[layer].hits if layer in load_of else 0.0,
@@ -338,12 +339,12 @@ def _from_loads(
         ),
         passes=passes,
         period=period,
-        routing_steps=0 if experts is None else experts.steps,
-        belady_hit_rate=None if experts is None else experts.optimum.hit_rate,
+        routing_steps=experts.steps if experts is not None and experts.layers else 0,
+        belady_hit_rate=experts.optimum.hit_rate if experts is not None and experts.layers else None,
     )
 
 
-def _expert_seconds(load: LayerLoad, rate: float, profile: DeviceProfile) -> float:
+def expert_seconds(load: LayerLoad, rate: float, profile: DeviceProfile) -> float:
     """A layer's wait at its experts' calls for their copies, from host memory: the misses
     over the link, the hits from their slots (a read and a write of device memory)."""
     read = profile.weight_read_bytes_per_s

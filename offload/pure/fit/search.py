@@ -50,6 +50,7 @@ from offload.pure._checks import check_int_at_least
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.experts.size import check_slots, default_slots
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.candidates import (
     BACKEND_ORDER,
     FitCandidate,
@@ -142,6 +143,7 @@ def fit(
     host: HostTier | None = None,
     expert_cache: bool = True,
     expert_slots: int | None = None,
+    routing: RoutingTrace | None = None,
 ) -> FitResult:
     """The configuration with the least predicted step time that fits the budget.
 
@@ -150,9 +152,14 @@ def fit(
     slots each, or, where that is None, at one slot each, after which the winner's caches
     take their default slots (`offload.pure.experts.size.default_slots`) if the budget
     has room for them, or else the largest C that fits (its config then says C; the
-    runners-up keep one slot). The step is costed as if every expert were copied: what a
-    cache saves depends on the routing (`offload.pure.experts.replay` predicts it from a
-    trace).
+    runners-up keep one slot). Without `routing` the step is costed as if every expert
+    were copied with its layer; with it, as `estimate(..., routing=)` costs it: each
+    offloaded MoE layer waits at its experts' calls for the misses and hits the trace gives
+    its caches at the search's C, and the winner, once its caches are sized, is estimated
+    again at its own C (its figures, not the runners-up's, then count the larger caches).
+    Over a trace the search is run with the caches and without (MoE layers streamed whole,
+    their experts' copy overlapping the layers before them), and the faster wins, with its
+    runners-up; `expert_cache=False` searches without only.
 
     Args:
         spec: the model.
@@ -175,6 +182,8 @@ def fit(
         expert_cache: False: no expert caches; MoE layers are streamed whole.
         expert_slots: C of every expert cache (1 to the smallest expert count); None: as
             the budget allows (above).
+        routing: the routed experts per step (`RoutingTrace`); None: every expert copied
+            every step (the worst case). Not with `host`.
 
     Returns:
         The chosen configuration with its plan and estimate, and the runners-up.
@@ -187,8 +196,33 @@ def fit(
             configuration fits the device but none fits both budgets; the message names
             the least host budget that works with this device budget and the least device
             budget that works with this host budget, each with its configuration.
-            `expert_slots` above an experts module's expert count (naming it).
+            `expert_slots` above an experts module's expert count (naming it). A `routing`
+            trace that lacks an experts module that may be cached, names one the model does
+            not have, or has no steps; `routing` with `host`.
     """
+    search = functools.partial(_fit, spec, env, profile, workload, device_budget_bytes, outside_bytes=outside_bytes,
+                               reserve_bytes=reserve_bytes, param_filter=param_filter,
+                               max_prefetch_step=max_prefetch_step, runners_up=runners_up, host=host,
+                               expert_slots=expert_slots, routing=routing)
+    if routing is None or not expert_cache or not spec.experts or host is not None:
+        return search(expert_cache=expert_cache)
+    # Over a trace a layer waits for its misses at its experts' call, where streamed whole
+    # its experts' copy overlaps the layers before it: either may be faster.
+    try:
+        cached: FitResult | None = search(expert_cache=True)
+    except PlanError as exc:
+        if exc.name == "routing":
+            raise
+        cached = None  # the caches' device bytes do not fit; streaming whole may
+    whole = search(expert_cache=False)
+    return cached if cached is not None and compare(cached.chosen, whole.chosen) <= 0 else whole
+
+
+def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Workload, device_budget_bytes: int,
+         *, outside_bytes: int, reserve_bytes: int, param_filter: Sequence[str], max_prefetch_step: int,
+         runners_up: int, host: HostTier | None, expert_cache: bool, expert_slots: int | None,
+         routing: RoutingTrace | None) -> FitResult:
+    """`fit` with the expert caches on or off as `expert_cache` says."""
     check_int_at_least("device_budget_bytes", device_budget_bytes, 0, ConfigError)
     check_int_at_least("outside_bytes", outside_bytes, 0, ConfigError)
     check_int_at_least("reserve_bytes", reserve_bytes, 0, ConfigError)
@@ -200,13 +234,16 @@ def fit(
                              expert_slots=expert_slots).param_filter
     if expert_cache and expert_slots is not None and spec.experts:
         check_slots(spec.experts, expert_slots)
+    if routing is not None and host is not None:
+        raise PlanError("a routing trace and a host budget together are not searched yet: the disk tier's reads of "
+                        "the experts a cache misses are not costed by the search", name="routing", value=None)
     penv = planning_env(env, profile)
     table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes, expert_cache=expert_cache,
-                        expert_slots=expert_slots)
+                        expert_slots=expert_slots, routing=routing)
 
     none = none_candidate(table)
     if none.device_bytes <= budget:
-        return _result(spec, penv, table, budget, none, (), simulated=0, considered=1, host=host)
+        return _result(spec, penv, table, budget, none, (), simulated=0, considered=1, host=host, routing=routing)
 
     top: list[FitCandidate] = []
     rank = functools.cmp_to_key(compare)
@@ -264,7 +301,7 @@ def fit(
         )
     return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
                    simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host,
-                   size_caches=expert_slots is None)
+                   size_caches=expert_slots is None, routing=routing)
 
 
 def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
@@ -319,15 +356,17 @@ def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | No
 
 def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best: FitCandidate,
             others: tuple[FitCandidate, ...], *, simulated: int, considered: int,
-            host: HostTier | None = None, size_caches: bool = False) -> FitResult:
+            host: HostTier | None = None, size_caches: bool = False,
+            routing: RoutingTrace | None = None) -> FitResult:
     """Make the real plan of the winner and check it against the search's prediction (with
     `host`: its step with its disk tier, and the host memory it then takes); with
-    `size_caches`, give its expert caches the slots the budget has room for (`_sized`)."""
+    `size_caches`, give its expert caches the slots the budget has room for (`_sized`),
+    and with `routing` its step at those slots."""
     plan = make_plan(spec, best.config, penv)
     if host is not None and plan.backend.value == "prefetch":
         step, host_bytes = host.estimate(plan, table.profile, table.workload)
     else:
-        step, host_bytes = estimate(plan, table.profile, table.workload), plan.host_bytes
+        step, host_bytes = estimate(plan, table.profile, table.workload, routing=routing), plan.host_bytes
     chosen = attrs.evolve(
         best, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds,
         resident_bytes=plan.device_bytes_resident, buffer_bytes=plan.device_bytes_buffers,
@@ -349,6 +388,9 @@ def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best:
         if config != best.config:
             plan = make_plan(spec, config, penv)
             chosen = attrs.evolve(chosen, config=config, buffer_bytes=plan.device_bytes_buffers)
+            if routing is not None:  # more slots, more hits: the step at the winner's own C
+                step = estimate(plan, table.profile, table.workload, routing=routing)
+                chosen = attrs.evolve(chosen, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds)
     return FitResult(budget_bytes=budget, chosen=chosen, plan=plan, estimate=step, runners_up=others,
                      profile=table.profile, workload=table.workload, env=penv,
                      simulated=simulated, considered=considered,

@@ -13,7 +13,10 @@ The expert caches of a mixture-of-experts model (`offload.pure.plan.experts`) ar
 memory beside the slots: the table holds, per layer, what its caches take at the search's
 C (the user's `expert_slots`, or one slot each: `fit` sizes the winner's afterwards), and
 `buffer_bytes` counts them with the slots. The rows the caches serve are one buffer per key
-for all slots (`BufferPlan.shared`), counted once (`Expanded.rows_bytes`).
+for all slots (`BufferPlan.shared`), counted once (`Expanded.rows_bytes`). Given a routing
+trace, a layer's experts are not in its copy: at its experts' call it waits for the misses
+and hits the trace gives its caches at the search's C (`expert_wait`), as `estimate(...,
+routing=)` costs them.
 
 A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
 with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -33,7 +36,9 @@ from offload.pure.decide.pinning import decide_pinning
 from offload.pure.decide.selection import is_on_compute_device
 from offload.pure.decide.uva import decide_uva
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import Workload, layer_compute_seconds
+from offload.pure.fit.experts import CacheCosts, Key, cache_costs, expert_waits
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.plan.schedule import stack_cycles
 from offload.pure.spec.values import ModelSpec, ParamSpec
@@ -54,8 +59,6 @@ __all__ = [
 #: Above this many kinds of layer (distinct buffer-key signatures), a layer set's fewest
 #: device bytes leaves the buffers out rather than counting them exactly.
 _MAX_EXACT_SIGNATURES = 16
-#: A prefetch buffer key, as `make_plan` keys buffers: (name, shape, stride, dtype).
-Key = tuple[str, tuple[int, ...], tuple[int, ...], str]
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +98,10 @@ class Table:
     cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
     cache_keys: tuple[frozenset[Key], ...] = ()  # per layer: the buffer keys its caches serve; (): none
     served_bytes: tuple[int, ...] = ()  # per layer: the bytes of the parameters its caches serve; (): none
+    # With a routing trace, per layer: its wait at its experts' calls (seconds) and the
+    # bytes its caches copy from host memory, per step; (): no trace (every expert copied).
+    expert_wait: tuple[float, ...] = ()
+    expert_moved: tuple[int, ...] = ()
     expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
     # The search's C, its plans' `OffloadConfig.expert_slots`: the user's, or 1 where the
     # model has caches to cost.
@@ -104,6 +111,14 @@ class Table:
     def fixed_bytes(self) -> int:
         """Device bytes every candidate holds whatever it offloads: outside + reserve."""
         return self.outside + self.reserve
+
+    @property
+    def copied_bytes(self) -> tuple[int, ...]:
+        """Per layer, the bytes its prefetch copy moves: its offloadable storages, less
+        those its expert caches serve where a routing trace costs them at their call."""
+        if not self.expert_wait:
+            return self.layer_bytes
+        return tuple(b - s for b, s in zip(self.layer_bytes, self.served_bytes, strict=True))
 
     @property
     def copy_rate(self) -> float:
@@ -131,9 +146,15 @@ def _key(param: ParamSpec) -> Key:
 
 def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Workload,
                 segments: tuple[str, ...], reserve: int, outside: int = 0, *, expert_cache: bool = True,
-                expert_slots: int | None = None) -> Table:
+                expert_slots: int | None = None, routing: RoutingTrace | None = None) -> Table:
     """Group storages and decide eligibility exactly as `make_plan` does; the expert caches
-    are costed at `expert_slots` slots each, or one where it is None."""
+    are costed at `expert_slots` slots each, or one where it is None, and with `routing`
+    by the trace (`offload.pure.fit.experts.expert_waits`).
+
+    Raises:
+        PlanError: `routing` lacks an experts module that may be cached, names one the model
+            does not have, or has no steps (`offload.pure.experts.expected`).
+    """
     platform = env.platform
     pin = decide_pinning(env)
     groups: list[list[tuple[int, ParamSpec]]] = []
@@ -171,35 +192,19 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             layer_has[first_layer] = True
             keys[first_layer].append((_key(first), first.nbytes))
             owners[(first_layer, first.name)] = _key(first)
-    caches, cache_keys, served = _caches(spec, owners, expert_slots or 1) if expert_cache else ((), (), ())
+    costs = cache_costs(spec, owners, expert_slots or 1) if expert_cache else CacheCosts()
+    waits, missed = expert_waits(spec, costs.groups, expert_slots or 1, routing, profile, pin.pin) \
+        if routing is not None and costs.groups else ((), ())
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),
         layer_keys=tuple(tuple(sorted(set(k))) for k in keys), uva_groups=tuple(uva),
         pinned=pin.pin, uva_enabled=decide_uva(env, pin).enabled, profile=profile, workload=workload,
         segments=segments, reserve=reserve, outside=outside, stack_ranges=spec.stack_ranges,
-        cache_bytes=caches, cache_keys=cache_keys, served_bytes=served, expert_cache=expert_cache,
-        expert_slots=(expert_slots or 1) if caches else expert_slots,
+        cache_bytes=costs.device_bytes, cache_keys=costs.keys, served_bytes=costs.served_bytes,
+        expert_cache=expert_cache, expert_slots=(expert_slots or 1) if costs.groups else expert_slots,
+        expert_wait=waits, expert_moved=missed,
     )
-
-
-def _caches(spec: ModelSpec, owners: Mapping[tuple[int, str], Key], slots: int
-            ) -> tuple[tuple[int, ...], tuple[frozenset[Key], ...], tuple[int, ...]]:
-    """Per layer, the bytes of `slots` slots of each experts module whose parameters all
-    have buffers of their own when the layer is prefetched (`plan_expert_caches`' rule:
-    prefetched, untied), those parameters' buffer keys and their bytes; () each when there
-    are none."""
-    out = [0] * len(spec.layers)
-    keys: list[set[Key]] = [set() for _ in spec.layers]
-    served = [0] * len(spec.layers)
-    for group in spec.experts:
-        refs = [(group.layer, name) for name in group.params]
-        if all(ref in owners for ref in refs):
-            out[group.layer] += slots * group.expert_bytes
-            keys[group.layer].update(owners[ref] for ref in refs)
-            sizes = {p.name: p.nbytes for p in spec.layers[group.layer].params}
-            served[group.layer] += sum(sizes[name] for name in group.params)
-    return (tuple(out), tuple(map(frozenset, keys)), tuple(served)) if any(out) else ((), (), ())
 
 
 def _rows(table: Table, positions: Iterable[int]) -> dict[Key, int]:
@@ -266,7 +271,7 @@ def _most_kept(table: Table, intervals: tuple[tuple[int, int], ...], max_step: i
     counted cannot fit."""
     positions = [i for a, b in intervals for i in range(a, b) if table.layer_has[i]]
     n = len(positions)
-    sums = _prefix_sums(table.layer_bytes[i] for i in positions)
+    sums = _prefix_sums(table.copied_bytes[i] for i in positions)
     served = table.served_bytes or (0,) * len(table.layer_bytes)
     in_slots = _prefix_sums(table.layer_bytes[i] - served[i] for i in positions)
     # Both the kept range n - s .. s - 1 and the first owners grow with s = min(depth, n).
@@ -287,7 +292,7 @@ def _most_kept_per_cycle(table: Table, intervals: tuple[tuple[int, int], ...], m
         n = len(mine)
         if n < 2 * max_step:
             s = min(max_step, n)
-            total += sum(table.layer_bytes[mine[i]] for i in range(n - s, s))
+            total += sum(table.copied_bytes[mine[i]] for i in range(n - s, s))
     return total
 
 
@@ -296,6 +301,8 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
     bounded over the depths 1 .. `max_step` the search tries within `budget` device bytes."""
     num = len(table.compute)
     prefix_bytes = _prefix_sums(table.layer_bytes)
+    prefix_copied = _prefix_sums(table.copied_bytes)
+    prefix_wait = list(itertools.accumulate(table.expert_wait or [0.0] * num, initial=0.0))
     prefix_has = _prefix_sums(table.layer_has)
     prefix_cache = _prefix_sums(table.cache_bytes or [0] * num)
     signatures: dict[tuple[tuple[Key, int], ...], list[int]] = {}
@@ -331,7 +338,8 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
             if not count:
                 continue  # offloads nothing: the same as backend none
             host = sum(prefix_bytes[b] - prefix_bytes[a] for a, b in intervals)
-            copied = host
+            copied = sum(prefix_copied[b] - prefix_copied[a] for a, b in intervals)
+            waits = sum(prefix_wait[b] - prefix_wait[a] for a, b in intervals)
             if len(table.stack_ranges) > 1:
                 # One cycle per stack, each of which may leave some alone in a slot: at most
                 # what the deepest depth leaves in each (a bound, as `_most_kept` gives).
@@ -345,7 +353,7 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
                        for key, nbytes in sig}
             buffers = sum(present.values()) + sum(prefix_cache[b] - prefix_cache[a] for a, b in intervals)
             out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, host_bytes=host,
-                                bound_seconds=max(compute, copied / rate),
+                                bound_seconds=max(compute + waits, copied / rate),
                                 min_device_bytes=table.resident_bytes - host + buffers + table.fixed_bytes))
     return out
 
@@ -364,7 +372,7 @@ def expand(table: Table, layer_set: LayerSet) -> Expanded:
             if key not in rows:
                 users.setdefault(key, (nbytes, []))[1].append(number)
     return Expanded(layer_set=layer_set, positions=positions,
-                    copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.layer_bytes)),
+                    copy_bytes=tuple(c if i in wanted else 0 for i, c in enumerate(table.copied_bytes)),
                     kinds=tuple(tuple(v) for v in kinds.values()),
                     keys=tuple((nbytes, tuple(used)) for nbytes, used in users.values()),
                     cycles=stack_cycles(positions, table.stack_ranges),

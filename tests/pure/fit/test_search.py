@@ -27,6 +27,7 @@ from offload.pure import (
     make_plan,
     segment_matches,
 )
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.candidates import prefetch_candidate
 from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.profiles import DeviceProfile, planning_env, profile_by_name
@@ -44,17 +45,19 @@ MAX_STEP = 64  # deeper than any test model has layers: the search covers every 
 
 
 def device_bytes(plan_env: EnvSnapshot, config: OffloadConfig, spec: ModelSpec, tokens: int,
-                 reserve: int, outside: int = 0) -> tuple[int, float]:
-    """(device bytes, step seconds) of one configuration, from its plan and estimate."""
+                 reserve: int, outside: int = 0, routing: RoutingTrace | None = None) -> tuple[int, float]:
+    """(device bytes, step seconds) of one configuration, from its plan and estimate (over
+    `routing`, where given)."""
     plan = make_plan(spec, config, plan_env)
-    step = estimate(plan, TOY, Workload(tokens_per_step=tokens))
+    step = estimate(plan, TOY, Workload(tokens_per_step=tokens), routing=routing)
     transient = max((layer.on_demand_bytes for layer in step.layers), default=0)
     return plan.device_bytes_resident + plan.device_bytes_buffers + transient + outside + reserve, step.step_seconds
 
 
 def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve: int,
            segments: tuple[str, ...], max_depth: int = MAX_STEP, outside: int = 0,
-           expert_slots: int | None = None) -> float | None:
+           expert_slots: int | None = None, routing: RoutingTrace | None = None,
+           expert_cache: bool = True) -> float | None:
     """The least step time of any fitting configuration, or None when nothing fits
     (prefetch's expert caches at `expert_slots` slots each: None, the default)."""
     plan_env = planning_env(env, TOY)
@@ -64,7 +67,8 @@ def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve:
         for share in range(1, group + 1):
             for depth in range(1, min(layers, max_depth) + 1):
                 configs.append(OffloadConfig(backend="prefetch", group_size=group, num_in_group=share,
-                                             prefetch_step=depth, param_filter=segments, expert_slots=expert_slots))
+                                             prefetch_step=depth, param_filter=segments, expert_slots=expert_slots,
+                                             expert_cache=expert_cache))
     every = make_plan(spec, OffloadConfig(backend="uva", uva_max_bytes=1 << 60, param_filter=segments), plan_env)
     prefix = 0
     for p in every.params:
@@ -72,7 +76,8 @@ def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, budget: int, reserve:
             prefix += p.nbytes
             if prefix:
                 configs.append(OffloadConfig(backend="uva", uva_max_bytes=prefix, param_filter=segments))
-    fitting = [step for need, step in (device_bytes(plan_env, c, spec, tokens, reserve, outside) for c in configs)
+    fitting = [step for need, step in (device_bytes(plan_env, c, spec, tokens, reserve, outside, routing)
+                                       for c in configs)
                if need <= budget]
     return min(fitting) if fitting else None
 

@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from offload.errors import PlanError
 from offload.pure import EnvFlags, EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, ParamSpec, make_plan
+from offload.pure.experts.replay import zipf_trace
 from offload.pure.experts.size import default_slots
-from offload.pure.fit.estimate import Workload
+from offload.pure.experts.values import RoutingTrace
+from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.profiles import DeviceProfile, planning_env
 from offload.pure.fit.render import render_fit
 from offload.pure.fit.search import FitResult, fit
@@ -57,9 +59,10 @@ def moe_specs(draw: st.DrawFn) -> ModelSpec:
 
 
 def run(spec: ModelSpec, env: EnvSnapshot, budget: int, tokens: int = 1, profile: DeviceProfile = TOY,
-        expert_cache: bool = True, expert_slots: int | None = None) -> FitResult:
+        expert_cache: bool = True, expert_slots: int | None = None, routing: RoutingTrace | None = None
+        ) -> FitResult:
     return fit(spec, env, profile, Workload(tokens_per_step=tokens), budget, max_prefetch_step=MAX_STEP,
-               expert_cache=expert_cache, expert_slots=expert_slots)
+               expert_cache=expert_cache, expert_slots=expert_slots, routing=routing)
 
 
 def _fits(result: FitResult) -> int:
@@ -190,3 +193,80 @@ def test_without_expert_caches_fit_streams_the_moe_layers_whole() -> None:
     assert all(not c.config.expert_cache for c in (result.chosen, *result.runners_up)
                if c.config.backend == "prefetch")
     assert "expert_cache off" in render_fit(result)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=moe_specs(), env=ENVS, tokens=st.integers(1, 64), fraction=st.floats(0.0, 1.2),
+       steps=st.integers(1, 8), seed=st.integers(0, 2**31), batch=st.integers(1, 3))
+def test_fit_over_a_routing_trace_is_as_fast_as_any_configuration_over_it(
+        spec: ModelSpec, env: EnvSnapshot, tokens: int, fraction: float, steps: int, seed: int, batch: int) -> None:
+    """With a trace, the search costs each MoE layer's waits at its experts' calls as
+    `estimate(..., routing=)` does: at one slot per cache it is as fast as the oracle
+    over the same trace, with caches or streaming whole, and its plan's estimate is that
+    step."""
+    budget = int(spec.nbytes * fraction)
+    smallest = min((g.num_experts for g in spec.experts), default=2)
+    trace = zipf_trace(spec.experts, steps=steps, top_k=min(2, smallest), tokens=batch, seed=seed)
+    found = [step for step in (oracle(spec, env, tokens, budget, 0, (), expert_slots=1, routing=trace),
+                               oracle(spec, env, tokens, budget, 0, (), routing=trace, expert_cache=False))
+             if step is not None]
+    best = min(found) if found else None
+    if best is None:
+        with pytest.raises(PlanError, match="more than the budget"):
+            run(spec, env, budget, tokens, expert_slots=1, routing=trace)
+        return
+    result = run(spec, env, budget, tokens, expert_slots=1, routing=trace)
+    assert result.chosen.step_seconds == pytest.approx(best, rel=1e-9)
+    assert result.estimate == estimate(result.plan, TOY, Workload(tokens_per_step=tokens), routing=trace)
+    assert _fits(result) == result.chosen.device_bytes <= budget
+
+
+def test_over_a_trace_the_caches_win_where_the_link_decides_and_are_sized() -> None:
+    """Eight layers of 16 experts, a skewed trace of one token a step, compute fast: the
+    caches win, take the budget's room (more than one slot each), and the step is their
+    plan's over the trace, below the step at one slot each and below streaming whole."""
+    spec = moe_spec([(64, 16)] * 8)
+    trace = zipf_trace(spec.experts, steps=64, top_k=2, tokens=1, s=1.2, seed=1)
+    budget = int(spec.nbytes * 0.9)
+    fast = attrs.evolve(TOY, bf16_flops_per_s=1e12)
+    sized = run(spec, NO_UVA, budget, 1, profile=fast, routing=trace)
+    one = run(spec, NO_UVA, budget, 1, profile=fast, expert_slots=1, routing=trace)
+    whole = run(spec, NO_UVA, budget, 1, profile=fast, expert_cache=False, routing=trace)
+    assert sized.chosen.config.expert_cache and min(c.slots for c in sized.plan.experts) > 1
+    assert sized.estimate == estimate(sized.plan, fast, Workload(), routing=trace)
+    assert sized.chosen.step_seconds == sized.estimate.step_seconds
+    assert sized.chosen.step_seconds < one.chosen.step_seconds < whole.chosen.step_seconds
+    assert sized.chosen.device_bytes <= budget
+    assert sized.estimate.expert_hit_rate is not None and one.estimate.expert_hit_rate is not None
+    assert sized.estimate.expert_hit_rate > one.estimate.expert_hit_rate
+    assert run(spec, NO_UVA, budget, 1, profile=fast, routing=trace).chosen == sized.chosen
+
+
+def test_over_a_trace_streaming_whole_wins_where_its_copy_hides_behind_compute() -> None:
+    """One MoE layer among dense ones, compute slow beside the link's rate for one
+    layer's copy: the whole layer's copy overlaps the dense layers before it, while every
+    routed expert of a cold cache is waited for at its call."""
+    spec = moe_spec([(4096, None), (4096, None), (4096, None), (8, 16)])
+    trace = zipf_trace(spec.experts, steps=4, top_k=8, tokens=4, s=0.0, seed=2)
+    slow = attrs.evolve(TOY, bf16_flops_per_s=100.0)
+    budget = spec.nbytes - spec.layers[3].params[1].nbytes  # layer 3 must leave the device
+    best = run(spec, NO_UVA, budget, 1, profile=slow, routing=trace)
+    assert best.chosen.config.expert_cache is False and best.plan.experts == ()
+    # the same configuration with its caches, over the same trace
+    cached = make_plan(spec, attrs.evolve(best.chosen.config, expert_cache=True, expert_slots=1),
+                       planning_env(NO_UVA, slow))
+    assert cached.experts
+    assert best.chosen.step_seconds < estimate(cached, slow, Workload(), routing=trace).step_seconds
+
+
+def test_a_trace_without_a_cached_module_or_beside_a_host_budget_is_refused() -> None:
+    spec = moe_spec([(64, 16)] * 4)
+    short = RoutingTrace(groups=spec.experts[:3], steps=(((0,),) * 3,))
+    with pytest.raises(PlanError, match="no steps of 3:mlp.experts"):
+        run(spec, NO_UVA, int(spec.nbytes * 0.7), 1, routing=short)
+    from offload.pure.disk.search import tier_search
+
+    host = tier_search(spec, NO_UVA, TOY, host_budget_bytes=spec.nbytes, disk_gbps=1.0)
+    with pytest.raises(PlanError, match="a routing trace and a host budget together"):
+        fit(spec, NO_UVA, TOY, Workload(), int(spec.nbytes * 0.7), host=host,
+            routing=zipf_trace(spec.experts, steps=2, top_k=2))
