@@ -55,7 +55,6 @@ from offload.pure.fit.candidates import (
     BACKEND_ORDER,
     FitCandidate,
     best_depth,
-    cached_schedule,
     close,
     compare,
     describe,
@@ -64,12 +63,12 @@ from offload.pure.fit.candidates import (
     same_outcome,
     tie_key,
     uva_candidates,
-    uva_prefix,
 )
 from offload.pure.fit.estimate import StepEstimate, Workload, estimate
 from offload.pure.fit.host import HostTier
 from offload.pure.fit.profiles import DeviceProfile, planning_env
-from offload.pure.fit.table import LayerSet, Table, buffer_bytes, build_table, expand, layer_sets
+from offload.pure.fit.refusal import host_refusal
+from offload.pure.fit.table import Table, buffer_bytes, build_table, expand, layer_sets
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import OffloadPlan
 from offload.pure.serialize import to_data
@@ -286,7 +285,7 @@ def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Wo
         if best is not None:
             offer(best)
     if not top and host is not None and fits_device:
-        raise _host_refusal(table, sets, uva, budget, max_step, host)
+        raise host_refusal(table, sets, uva, budget, max_step, host)
     if not top:
         lean = min(leanest, key=lambda c: (c.device_bytes, BACKEND_ORDER[c.config.backend]))
         over = lean.device_bytes - budget
@@ -302,56 +301,6 @@ def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Wo
     return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
                    simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host,
                    size_caches=expert_slots is None, routing=routing)
-
-
-def _host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
-                  host: HostTier) -> PlanError:
-    """The error when configurations fit the device budget but none fits the host budget
-    too: the least host budget that works with this device budget, and the least device
-    budget that works with this host budget, each with a configuration that meets it."""
-    host_budget = host.host_budget_bytes
-    # With this device budget: the least host memory of any configuration that fits it.
-    least_host: tuple[int, OffloadConfig] | None = (uva.host_bytes, uva.config) if uva is not None else None
-    # With this host budget: the fewest device bytes of any configuration whose host memory
-    # can meet it (backend none takes no host memory at all).
-    none = none_candidate(table)
-    least_device: tuple[int, OffloadConfig] = (none.device_bytes, none.config)
-    if uva is not None:
-        # The longest UVA prefix within the host budget takes the fewest device bytes.
-        host_so_far, longest = 0, 0
-        for m, (nbytes, _) in enumerate(table.uva_groups, start=1):
-            host_so_far += nbytes
-            if host_so_far > host_budget:
-                break
-            if host_so_far:
-                longest = m  # a prefix of nothing but empty storages offloads nothing
-        if longest:
-            lean = uva_prefix(table, longest)
-            if lean.device_bytes < least_device[0]:
-                least_device = (lean.device_bytes, lean.config)
-    for layer_set in sets:
-        expanded = expand(table, layer_set)
-        for depth in range(1, min(len(expanded.positions), max_step) + 1):
-            device = table.resident_bytes - layer_set.host_bytes + buffer_bytes(expanded, depth) + table.fixed_bytes
-            schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
-            least = host.least_host_bytes(expanded.positions, schedule)
-            config = OffloadConfig(backend="prefetch", group_size=layer_set.group_size,
-                                   num_in_group=layer_set.num_in_group, prefetch_step=depth,
-                                   param_filter=table.segments, expert_cache=table.expert_cache,
-                                   expert_slots=table.expert_slots)
-            if device <= budget and (least_host is None or least < least_host[0]):
-                least_host = (least, config)
-            if least <= host_budget and device < least_device[0]:
-                least_device = (device, config)
-    if least_host is None:  # not reached: called only when some configuration fits the device
-        least_host = (host_budget, none.config)
-    return PlanError(
-        f"no configuration fits both the device budget of {format_bytes(budget)} ({budget} bytes) and the host "
-        f"budget of {format_bytes(host_budget)} ({host_budget} bytes): with this device budget the least host "
-        f"budget is {format_bytes(least_host[0])} ({least_host[0]} bytes, {describe(least_host[1], joiner=' with ')});"
-        f" with this host budget the least device budget is {format_bytes(least_device[0])} ({least_device[0]} "
-        f"bytes, {describe(least_device[1], joiner=' with ')})",
-        name="host_budget_bytes", value=host_budget)
 
 
 def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best: FitCandidate,
