@@ -15,7 +15,7 @@ import attrs
 from offload.pure.config import OffloadConfig
 from offload.pure.fit.estimate import DiskReads, simulate_prefetch
 from offload.pure.fit.host import HostTier
-from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes
+from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes, kept_layers
 from offload.pure.plan.schedule import PrefetchSchedule, schedule_prefetch
 from offload.pure.units import format_bytes
 
@@ -182,14 +182,22 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
     per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
     busy: Sequence[float] = table.compute
+    copy_bytes = list(expanded.copy_bytes)
     if table.expert_wait:  # a routing trace: each offloaded layer waits at its experts' calls
         on = set(expanded.positions)
         busy = [c + (w if i in on else 0.0) for i, (c, w) in enumerate(zip(table.compute, table.expert_wait,
                                                                               strict=True))]
         per_step += sum(table.expert_moved[i] for i in expanded.positions)
+    elif table.served_bytes:  # no trace: a layer alone in its slot copies every expert at each call
+        at_call = {layer: table.served_bytes[layer]
+                   for layer in kept_layers(expanded.positions, depth, expanded.cycles) if table.served_bytes[layer]}
+        busy = [c + at_call[i] / rate if i in at_call else c for i, c in enumerate(table.compute)]
+        per_step += sum(at_call.values())
+        for layer, served in at_call.items():
+            copy_bytes[layer] -= served
     return _candidate(table, config, busy=busy, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
-                      copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
+                      copy=[copy_bytes[i] / rate for i in expanded.positions],
                       positions=expanded.positions, schedule=schedule,
                       disk=placed.disk if placed is not None else None,
                       host_bytes=placed.host_bytes if placed is not None else None,

@@ -39,7 +39,7 @@ the bytes that cross the link every step (layers loaded once are not among them)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from offload.errors import PlanError
 from offload.pure.experts.expected import ExpectedLoads, LayerLoad, expected_loads
@@ -234,7 +234,13 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
     weight = [0] * num_layers
     moved = {placement: [0] * num_layers for placement in (Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND)}
     loads = None if routing is None else expected_loads(plan.experts, routing, {(p.layer, p.name) for p in plan.params})
-    served = served_refs(plan.experts) if loads is not None else frozenset()
+    # Without a trace a cache's experts are counted in its layer's copy, but a layer alone in
+    # its slot keeps only its other weights there (the rows are shared): its cache copies
+    # every expert at every call, the worst case, at its call.
+    kept = {plan.offloaded_layers[i] for i in plan.schedule.kept_positions}
+    served = served_refs(plan.experts) if loads is not None else \
+        frozenset(ref for ref in served_refs(plan.experts) if ref[0] in kept)
+    at_call = {layer: 0 for layer, _ in served} if loads is None else {}
     for p in plan.params:
         numels[p.layer] += math.prod(p.shape)
         if p.tied_to is not None and p.tied_to[0] == p.layer:
@@ -242,6 +248,8 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         weight[p.layer] += p.nbytes
         if p.placement is not Placement.RESIDENT and (p.layer, p.name) not in served:
             moved[p.placement][p.layer] += p.nbytes
+        elif p.layer in at_call:
+            at_call[p.layer] += p.nbytes
     compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(
         compute=compute,
@@ -254,6 +262,8 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         profile=profile,
         workload=workload,
         disk=disk,
+        load_of={load.layer: load for load in loads.layers} if loads is not None else
+        {layer: LayerLoad(layer=layer, miss_bytes=n, hit_bytes=0.0, routed=0.0, hits=0.0) for layer, n in at_call.items()},
         experts=loads,
     )
 
@@ -270,6 +280,7 @@ def _from_loads(
     profile: DeviceProfile,
     workload: Workload,
     disk: DiskReads | None = None,
+    load_of: Mapping[int, LayerLoad] | None = None,
     experts: ExpectedLoads | None = None,
 ) -> StepEstimate:
     """The estimate from per-layer loads, which `estimate` reads off a plan.
@@ -286,11 +297,12 @@ def _from_loads(
         workload: reported in the estimate.
         disk: the disk tier (`simulate_prefetch`; its `DiskReads.expert_layers` read
             their experts' misses from disk).
-        experts: the expert caches' copies per step, from a routing trace; None: none.
+        load_of: per layer, what its expert caches copy at their calls per step.
+        experts: the routing trace's replay, where the loads come from one; None: none.
     """
     rate = profile.h2d_bytes_per_s(pinned=pinned)
     uva_rate = profile.zero_copy_bytes_per_s
-    load_of = {} if experts is None else {load.layer: load for load in experts.layers}
+    load_of = load_of or {}
     expert_reads = _expert_reads(load_of, disk)
     waits = [
         expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
@@ -351,7 +363,7 @@ def expert_seconds(load: LayerLoad, rate: float, profile: DeviceProfile) -> floa
     return load.miss_bytes / rate + (2.0 * load.hit_bytes / read if read is not None else 0.0)
 
 
-def _expert_reads(load_of: dict[int, LayerLoad], disk: DiskReads | None) -> dict[int, float]:
+def _expert_reads(load_of: Mapping[int, LayerLoad], disk: DiskReads | None) -> dict[int, float]:
     """Per layer whose experts lie on the disk tier, seconds its misses take to read per step."""
     if disk is None or not disk.expert_layers:
         return {}

@@ -72,7 +72,7 @@ def render_estimate(step: StepEstimate) -> str:
     """The estimate: rates, one row per run of identical layers (times in ms, each
     layer), totals, and the arithmetic of the limit and of the predicted step."""
     runs: list[tuple[int, int, list[str]]] = []
-    experts = bool(step.routing_steps)
+    experts = bool(step.routing_steps) or step.expert_seconds > 0
     for layer in step.layers:
         cells = _layer_cells(layer, experts)
         if runs and runs[-1][2] == cells and runs[-1][1] == layer.layer - 1:

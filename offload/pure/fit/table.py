@@ -53,6 +53,7 @@ __all__ = [
     "cycle_slots",
     "expand",
     "kept_bytes",
+    "kept_layers",
     "layer_sets",
 ]
 
@@ -231,23 +232,23 @@ def _prefix_sums(values: Iterable[int]) -> list[int]:
 
 
 def kept_bytes(copy_bytes: Sequence[int], positions: Sequence[int], depth: int, cycles: Sequence[int] = ()) -> int:
-    """Bytes of the positions alone in their slot at `depth`, which are loaded once and
-    never copied per step: with ``n`` positions and ``s = min(depth, n)`` slots, positions
-    ``n - s .. s - 1`` (none unless ``n < 2s``; see `offload.pure.plan.schedule`), in each
-    cycle.
+    """Bytes (`copy_bytes`, per layer of the model) of the layers alone in their slot at
+    `depth` (`kept_layers`), which are loaded once and never copied per step."""
+    return sum(copy_bytes[layer] for layer in kept_layers(positions, depth, cycles))
 
-    Args:
-        copy_bytes: bytes copied for each layer of the model.
-        positions: the offloaded layers, in order.
-        depth: the prefetch depth (>= 1).
-        cycles: positions per cycle; empty: one cycle.
-    """
-    total = first = 0
+
+def kept_layers(positions: Sequence[int], depth: int, cycles: Sequence[int] = ()) -> list[int]:
+    """The offloaded layers (`positions`, in order) alone in their slot at `depth`: with ``n``
+    positions and ``s = min(depth, n)`` slots, positions ``n - s .. s - 1`` (none unless
+    ``n < 2s``; see `offload.pure.plan.schedule`), in each cycle (`cycles`: positions per
+    cycle; empty: one)."""
+    out: list[int] = []
+    first = 0
     for n in cycles or (len(positions),):
         s = min(depth, n)
-        total += sum(copy_bytes[positions[first + i]] for i in range(n - s, s))
+        out.extend(positions[first + i] for i in range(n - s, s))
         first += n
-    return total
+    return out
 
 
 def cycle_slots(num_positions: int, depth: int, cycles: Sequence[int] = ()) -> list[int]:

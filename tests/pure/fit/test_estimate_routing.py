@@ -194,3 +194,19 @@ def test_the_estimates_expert_bytes_are_the_replays_per_layer_and_step(experts: 
     assert step.belady_hit_rate is not None and step.expert_hit_rate is not None
     assert step.belady_hit_rate >= step.expert_hit_rate - 1e-12
     assert abs(step.expert_bytes * steps - replayed.total_bytes) <= len(experts) * steps / 2
+
+
+def test_without_a_trace_a_layer_alone_in_its_slot_still_copies_its_experts_at_each_call() -> None:
+    """Six layers at depth 6: each alone in its slot keeps its attention weight there for
+    good, but its experts' rows are shared by all six, so its cache copies every expert at
+    every call (the worst case without a trace), waited for at the call."""
+    plan = _plan(prefetch_step=6)
+    assert len(plan.schedule.kept_positions) == 6
+    step = estimate(plan, PROFILE, WORKLOAD)
+    rate = step.copy_bytes_per_s
+    for layer in step.layers:
+        assert layer.copy_bytes == 0 and layer.loaded_once_bytes == 32
+        assert layer.expert_bytes == EXPERT_BYTES
+        assert layer.expert_seconds == pytest.approx(EXPERT_BYTES / rate)
+    assert step.offloaded_bytes_per_step == 6 * EXPERT_BYTES
+    assert step.expert_hit_rate is None

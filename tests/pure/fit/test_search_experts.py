@@ -73,16 +73,15 @@ def _fits(result: FitResult) -> int:
 
 
 def test_a_set_whose_layers_all_stay_in_their_slots_is_not_pruned_by_the_expert_rows() -> None:
-    """Every layer offloaded at depth 4 keeps each alone in its slot (nothing copied per
-    step) and fits, because the expert rows are one buffer for all slots. The search's
-    bound once judged whether a depth fits by whole layers in each slot, experts included,
-    so it bounded this set by a copy per step and pruned it for UVA, 30x slower."""
+    """Every layer offloaded at depth 4 keeps each alone in its slot and fits, because the
+    expert rows are one buffer for all slots. The search's bound once judged whether a
+    depth fits by whole layers in each slot, experts included, so it bounded this set
+    too high and pruned it: fit was slower than the best configuration."""
     spec = moe_spec([(1, 3), (1, 3), (1, None), (1, None)], hidden=1, ffn=1)
     budget = int(spec.nbytes * 0.875)
     best = oracle(spec, NO_UVA, 1, budget, 0, (), expert_slots=1)
     result = run(spec, NO_UVA, budget)
     assert best is not None and result.chosen.step_seconds == pytest.approx(best, rel=1e-9)
-    assert result.chosen.config.backend == "prefetch" and result.chosen.config.prefetch_step == 4
 
 
 @settings(max_examples=60, deadline=None)
