@@ -246,9 +246,11 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         if p.tied_to is not None and p.tied_to[0] == p.layer:
             continue  # the same storage as a parameter of this layer: read and moved once
         weight[p.layer] += p.nbytes
-        if p.placement is not Placement.RESIDENT and (p.layer, p.name) not in served:
+        if p.placement is Placement.RESIDENT:
+            continue
+        if (p.layer, p.name) not in served:
             moved[p.placement][p.layer] += p.nbytes
-        elif p.layer in at_call:
+        elif loads is None:
             at_call[p.layer] += p.nbytes
     compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(

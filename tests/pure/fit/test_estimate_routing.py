@@ -210,3 +210,13 @@ def test_without_a_trace_a_layer_alone_in_its_slot_still_copies_its_experts_at_e
         assert layer.expert_seconds == pytest.approx(EXPERT_BYTES / rate)
     assert step.offloaded_bytes_per_step == 6 * EXPERT_BYTES
     assert step.expert_hit_rate is None
+
+
+def test_a_kept_layers_resident_weights_are_not_counted_as_its_experts() -> None:
+    """With a filter that offloads only the experts, the attention weights stay resident:
+    a layer alone in its slot copies its experts at each call, and nothing else."""
+    plan = _plan(prefetch_step=6, param_filter=("mlp.experts",))
+    assert len(plan.schedule.kept_positions) == 6
+    assert all(p.placement.value == "resident" for p in plan.params if p.name == "attn.weight")
+    step = estimate(plan, PROFILE, WORKLOAD)
+    assert all(layer.expert_bytes == EXPERT_BYTES and layer.loaded_once_bytes == 0 for layer in step.layers)
