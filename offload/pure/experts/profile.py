@@ -76,7 +76,7 @@ def held_from_profile(profile: RoutingProfile, group: ExpertGroup, slots: int) -
 
 def profile_to_json(profile: RoutingProfile, *, indent: int | None = None) -> str:
     """The profile as a `PROFILE_FORMAT` document; `profile_from_json` reads it back equal."""
-    return json.dumps({"format": PROFILE_FORMAT, "profile": to_data(profile)}, indent=indent)
+    return _write(PROFILE_FORMAT, "profile", profile, indent)
 
 
 def profile_from_json(text: str | bytes) -> RoutingProfile:
@@ -91,7 +91,7 @@ def profile_from_json(text: str | bytes) -> RoutingProfile:
 
 def trace_to_json(trace: RoutingTrace, *, indent: int | None = None) -> str:
     """The trace as a `TRACE_FORMAT` document; `trace_from_json` reads it back equal."""
-    return json.dumps({"format": TRACE_FORMAT, "trace": to_data(trace)}, indent=indent)
+    return _write(TRACE_FORMAT, "trace", trace, indent)
 
 
 def trace_from_json(text: str | bytes) -> RoutingTrace:
@@ -102,6 +102,11 @@ def trace_from_json(text: str | bytes) -> RoutingTrace:
             `TRACE_FORMAT` document, or its trace breaks a rule of `RoutingTrace`.
     """
     return _read(text, TRACE_FORMAT, RoutingTrace, "trace")
+
+
+def _write(fmt: str, key: str, value: RoutingProfile | RoutingTrace, indent: int | None) -> str:
+    """`value` under `key` of a `fmt` document."""
+    return json.dumps({"format": fmt, key: to_data(value)}, indent=indent)
 
 
 def _read(text: str | bytes, fmt: str, cls: type[_Value], key: str) -> _Value:
