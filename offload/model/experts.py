@@ -14,6 +14,10 @@ alike in shape and dtype, beside a router: a parameter of its parent, outside th
 shape [E, X] (``gate.weight``). Each expert is then served when it is called
 (`Routing.CALLS`), which assumes that the parent reads an expert's weights only by calling
 it, as the models of this kind do (Mixtral's and Qwen2-MoE's older code, custom MoEs).
+
+Its top-k (`ExpertGroup.top_k`, the experts each token is routed to) is the ``top_k`` that
+its parent (the MoE block) or a sibling of it (the router) holds, as transformers' MoE
+blocks and routers do; none where they hold none, or disagree.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from offload.logs import logger
 from offload.pure.spec.experts import ExpertGroup, Routing
 from offload.pure.spec.values import LayerSpec, ParamSpec
 
-__all__ = ["find_experts", "routing_of"]
+__all__ = ["find_experts", "routing_of", "top_k_of"]
 
 log = logger("offload.plan")
 
@@ -49,7 +53,23 @@ def routing_of(module: nn.Module) -> Routing | None:
     return None
 
 
-def _group(index: int, path: str, module: nn.Module, specs: Mapping[str, ParamSpec]) -> ExpertGroup | None:
+def top_k_of(parent: nn.Module, experts: nn.Module, count: int) -> int | None:
+    """The ``top_k`` that `parent` (the module holding `experts`) or another child of it
+    holds, an int from 1 to `count`, where every one of them that holds one agrees; else
+    None."""
+    found = set()
+    for holder in (parent, *(child for child in parent.children() if child is not experts)):
+        value = getattr(holder, "top_k", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            found.add(value)
+    if len(found) != 1:
+        return None
+    k = found.pop()
+    return k if 1 <= k <= count else None
+
+
+def _group(index: int, path: str, module: nn.Module, parent: nn.Module | None,
+           specs: Mapping[str, ParamSpec]) -> ExpertGroup | None:
     own = list(module.named_parameters(recurse=False))
     if not own or any(True for child in module.children() for _ in child.parameters()):
         return None
@@ -81,7 +101,7 @@ def _group(index: int, path: str, module: nn.Module, specs: Mapping[str, ParamSp
     if total % experts:
         return None
     return ExpertGroup(layer=index, module=path, num_experts=experts, params=names, expert_bytes=total // experts,
-                       routing=routing)
+                       routing=routing, top_k=top_k_of(parent, module, experts) if parent is not None else None)
 
 
 def _alike(module: nn.Module) -> list[tuple[str, tuple[int, ...], object]]:
@@ -108,7 +128,7 @@ def _list_group(index: int, path: str, module: nn.Module, parent: nn.Module,
     if total % e:
         return None
     return ExpertGroup(layer=index, module=path, num_experts=e, params=names, expert_bytes=total // e,
-                       routing=Routing.CALLS)
+                       routing=Routing.CALLS, top_k=top_k_of(parent, module, e))
 
 
 def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertGroup, ...]:
@@ -124,11 +144,11 @@ def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertG
     specs = {p.name: p for p in spec.params}
     found: list[ExpertGroup] = []
     for path, module in layer.named_modules():
+        parent = layer.get_submodule(path.rpartition(".")[0]) if path else None
         if isinstance(module, nn.ModuleList):
-            parent = layer.get_submodule(path.rpartition(".")[0]) if path else None
             group = _list_group(index, path, module, parent, specs) if parent is not None else None
         else:
-            group = _group(index, path, module, specs)
+            group = _group(index, path, module, parent, specs)
         if group is not None:
             found.append(group)
     return tuple(found)

@@ -33,6 +33,24 @@ def _offload(model: Any, config: OffloadConfig = EVERY_LAYER) -> Any:
     return offload_model(model, config, env=EnvSnapshot(), runtime=CpuRuntime())
 
 
+@pytest.mark.parametrize("name", list(MOE_ARCHITECTURES))
+def test_each_experts_module_carries_its_routers_top_k(name: str) -> None:
+    """The top-k is read off the MoE block or its router (their ``top_k``), as the
+    config's ``num_experts_per_tok`` set it."""
+    model = build_moe(name, 2)
+    groups = describe_layers(model.model.layers).experts
+    assert [g.top_k for g in groups] == [model.config.num_experts_per_tok] * 2
+
+
+def test_a_top_k_the_block_and_its_router_disagree_on_is_not_taken() -> None:
+    model = build_moe("qwen3_moe", 1)
+    block = model.model.layers[0].mlp
+    block.top_k = block.gate.top_k + 1
+    assert describe_layers(model.model.layers).experts[0].top_k is None
+    block.top_k = block.gate.top_k
+    assert describe_layers(model.model.layers).experts[0].top_k == block.gate.top_k
+
+
 @pytest.mark.parametrize(("name", "impl"), CASES)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_prefill_and_decode_are_bit_for_bit_the_resident_models(name: str, impl: str, batch: int) -> None:

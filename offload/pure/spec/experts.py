@@ -66,6 +66,10 @@ class ExpertGroup:
         expert_bytes: B, the bytes of one expert over all of `params` (each tensor's
             bytes divided by E).
         routing: how the module is told which experts run.
+        top_k: the experts each token is routed to (its router's ``top_k``), 1 to E;
+            None where the model does not say. Where known, a call over T tokens routes
+            at most min(E, T x top_k) experts: the worst case the step estimate counts
+            without a routing trace (`offload.pure.experts.expected.bounded_loads`).
     """
 
     layer: int = attrs.field(validator=int_at_least(0, PlanError))
@@ -74,6 +78,12 @@ class ExpertGroup:
     params: tuple[str, ...] = attrs.field(validator=_names)
     expert_bytes: int = attrs.field(validator=int_at_least(1, PlanError))
     routing: Routing = attrs.field(validator=attrs.validators.instance_of(Routing))
+    top_k: int | None = attrs.field(default=None, validator=int_at_least(1, PlanError, optional=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k is not None and self.top_k > self.num_experts:
+            raise PlanError(f"expert group {self.layer}:{self.module}: top_k {self.top_k} is above its "
+                            f"{self.num_experts} experts", name="top_k", value=self.top_k)
 
     @property
     def nbytes(self) -> int:

@@ -50,10 +50,11 @@ def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_he
     )
 
 
-def mixtral_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, experts: int) -> ModelSpec:
+def mixtral_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, experts: int,
+                 top_k: int | None = None) -> ModelSpec:
     """A Mixtral-style MoE decoder with fused expert weights, its experts modules listed
-    (`ModelSpec.experts`: each layer's ``block_sparse_moe.experts``, routed by indices), as
-    `describe_layers` lists a loaded one's."""
+    (`ModelSpec.experts`: each layer's ``block_sparse_moe.experts``, routed by indices, each
+    token to `top_k` of them), as `describe_layers` lists a loaded one's."""
     fused = (
         _param("block_sparse_moe.experts.w13_weight", experts, 2 * intermediate, hidden),
         _param("block_sparse_moe.experts.w2_weight", experts, hidden, intermediate),
@@ -62,7 +63,7 @@ def mixtral_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_
     groups = tuple(
         ExpertGroup(layer=i, module="block_sparse_moe.experts", num_experts=experts,
                     params=tuple(p.name for p in fused), expert_bytes=sum(p.nbytes for p in fused) // experts,
-                    routing=Routing.INDICES)
+                    routing=Routing.INDICES, top_k=top_k)
         for i in range(layers))
     return ModelSpec(
         layers=tuple(LayerSpec(index=i, name=f"model.layers.{i}", params=params) for i in range(layers)),
@@ -76,9 +77,10 @@ PRESETS: Mapping[str, Callable[[], ModelSpec]] = {
     "llama-8b": lambda: llama_spec(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8),
     # Llama 3.1 70B: 80 layers, hidden 8192, intermediate 28672, 64 heads, 8 KV heads.
     "llama-70b": lambda: llama_spec(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8),
-    # Mixtral 8x7B: 32 layers, hidden 4096, expert intermediate 14336, 32 heads, 8 KV heads, 8 experts.
+    # Mixtral 8x7B: 32 layers, hidden 4096, expert intermediate 14336, 32 heads, 8 KV heads,
+    # 8 experts, 2 per token.
     "mixtral-8x7b": lambda: mixtral_spec(
-        layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8
+        layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, experts=8, top_k=2
     ),
 }
 

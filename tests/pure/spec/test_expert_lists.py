@@ -53,3 +53,19 @@ def test_a_list_that_does_not_match_its_layer_is_refused(layer: LayerSpec, group
                                                           match: str) -> None:
     with pytest.raises(PlanError, match=match):
         ModelSpec(layers=(layer,), experts=(group,))
+
+
+@pytest.mark.parametrize(("top_k", "match"), [(0, "integer >= 1, got 0"), (True, "got True"), (2.0, "got 2.0"),
+                                              (4, "top_k 4 is above its 3 experts")])
+def test_a_top_k_outside_one_to_the_expert_count_is_refused_naming_it(top_k: object, match: str) -> None:
+    with pytest.raises(PlanError, match=match) as caught:
+        ExpertGroup(layer=0, module="moe", num_experts=3, params=("moe.w",), expert_bytes=4, routing=Routing.INDICES,
+                    top_k=top_k)  # type: ignore[arg-type]  # deliberately wrong
+    assert caught.value.name == "top_k"
+
+
+@pytest.mark.parametrize("top_k", [None, 1, 3])
+def test_a_top_k_from_one_to_the_expert_count_or_none_is_kept(top_k: int | None) -> None:
+    group = ExpertGroup(layer=0, module="moe", num_experts=3, params=("moe.w",), expert_bytes=4,
+                        routing=Routing.INDICES, top_k=top_k)
+    assert group.top_k == top_k

@@ -157,6 +157,7 @@ def test_mixtrals_experts_modules_are_listed_so_that_a_prefetch_plan_caches_them
         assert (g.module, g.num_experts) == ("block_sparse_moe.experts", arch.experts)
         assert g.params == ("block_sparse_moe.experts.w13_weight", "block_sparse_moe.experts.w2_weight")
         assert g.expert_bytes == 2 * (2 * arch.intermediate * arch.hidden + arch.hidden * arch.intermediate)
+        assert g.top_k == 2  # Mixtral routes each token to 2 of its 8 experts
     plan = make_plan(spec, OffloadConfig(backend="prefetch", group_size=1, prefetch_step=2),
                      EnvSnapshot(platform=Platform(has_cuda=True, device_total_bytes=80 << 30,
                                                    can_map_host_memory=True)))
