@@ -143,9 +143,6 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
     if profile is None:
         raise UserError("offload plan: --fit-gib needs --profile NAME, or --link-gbps and --tflops")
     routing = _routing(args, profile)
-    if routing is not None and args.host_gib is not None:
-        raise UserError("offload plan: --routing-trace with --fit-gib and --host-gib is not searched yet (the disk "
-                        "tier's reads of missed experts are not costed); drop one of them")
     chosen = [flag for flag, value in (("--backend", args.backend), ("--group-size", args.group_size),
                                        ("--num-in-group", args.num_in_group), ("--prefetch-step", args.prefetch_step),
                                        ("--uva-gib", args.uva_gib)) if value is not None]
@@ -176,7 +173,7 @@ def cmd_fit(args: argparse.Namespace, profile: DeviceProfile | None) -> int:
             both = fit_with_tier(spec, env, profile, workload, budget, host_budget_bytes=disk[0], disk_gbps=disk[1],
                                  read_ahead=disk[2], outside_bytes=source.outside_bytes,
                                  reserve_bytes=gib_bytes(args.reserve_gib), param_filter=tuple(args.filter),
-                                 expert_slots=args.expert_slots,
+                                 expert_slots=args.expert_slots, routing=routing,
                                  layer_names=tuple(layer.name for layer in spec.layers) if found is not None else (),
                                  tensors=found.tensors if found is not None else None,
                                  extents=found.extents if found is not None else None,

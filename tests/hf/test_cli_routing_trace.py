@@ -54,7 +54,7 @@ def test_the_estimate_counts_the_caches_over_the_recorded_trace(tmp_path: Path,
     assert code == 0 and "routing trace" not in worst and "hit rate" not in worst
 
 
-def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
+def test_a_trace_of_another_model_or_without_a_profile_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     directory, _, _ = _checkpoint_and_trace(tmp_path)
     _, deeper, _ = _checkpoint_and_trace(tmp_path, layers=3)
@@ -64,7 +64,7 @@ def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
     assert code == 2 and "--routing-trace is for the estimate; give --profile" in err
     code, _, err = _run(capsys, "plan", str(directory), "--fit-gib", "1", "--profile", "h100-pcie5",
                         "--host-gib", "1", "--routing-trace", str(deeper))
-    assert code == 2 and "with --fit-gib and --host-gib is not searched yet" in err
+    assert code == 2 and "2:mlp.experts is not this model's" in err  # with a host budget too
     missing = tmp_path / "nothing.json"
     code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(missing))
     assert code == 2 and "--routing-trace: cannot read" in err and "No such file" in err
@@ -72,6 +72,23 @@ def test_a_trace_of_another_model_or_without_a_profile_or_with_fit_is_refused(
     bad.write_text(json.dumps({"format": "offload-routing-trace/1", "trace": {"groups": [], "steps": [[[0]]]}}))
     code, _, err = _run(capsys, "plan", str(directory), *FLAGS, "--routing-trace", str(bad))
     assert code == 2 and "--routing-trace" in err and "groups" in err
+
+
+def test_fit_with_a_host_budget_searches_over_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fit-gib`` and ``--host-gib`` with ``--routing-trace``: the search over both
+    budgets costs the caches over the trace (UVA off, so that prefetch is chosen)."""
+    monkeypatch.setenv("OFFLOAD_DISABLE_UVA", "1")
+    directory, path, trace = _checkpoint_and_trace(tmp_path)
+    argv = ("plan", str(directory), "--fit-gib", "0.0005", "--profile", "h100-pcie5", "--host-gib", "0.0006")
+    code, out, err = _run(capsys, *argv, "--routing-trace", str(path), "--json")
+    assert code == 0, err
+    over = json.loads(out)["fit"]
+    assert over["chosen"]["config"]["backend"] == "prefetch" and over["plan"]["experts"]
+    assert over["estimate"]["routing_steps"] == len(trace.steps)  # type: ignore[attr-defined]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    assert json.loads(out)["fit"]["estimate"]["routing_steps"] == 0
 
 
 def test_offload_load_of_a_moe_checkpoint_sizes_and_reports_its_expert_caches(

@@ -45,7 +45,7 @@ def test_the_list_is_found_beside_its_router_as_e_experts_of_b_bytes() -> None:
     assert group.expert_bytes == 3 * 16 * 24 * 4
     assert group.kinds == 3 and len(group.params) == 24
     assert group.expert_params(5) == tuple(f"block_sparse_moe.experts.5.{w}.weight" for w in ("w1", "w3", "w2"))
-    assert group.top_k == model.layers[0].block_sparse_moe.top_k  # the block's, beside the list
+    assert group.top_k == 2  # the block's top_k (ListMoeModel's default), beside the list
 
 
 def test_a_list_of_modules_alike_without_a_router_is_not_experts() -> None:

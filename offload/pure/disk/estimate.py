@@ -3,14 +3,17 @@ simulation of `offload.pure.fit.estimate` with one disk reading the disk layers 
 staging buffers, each read after the copy out of its buffer's previous occupant, and the
 host thread waiting for a read before it issues the copy that reads the buffer.
 
-With a routing trace, an expert cache's experts are not in the staging ring's reads (the
-ring never reads them, `DiskParam.in_place`): the cache reads the experts it misses from
-the files at the module's call, and the layer waits for those reads."""
+With a routing trace, or without one where every cache's module says its top-k (the worst
+case `offload.pure.experts.expected.bounded_loads` bounds), an expert cache's experts are
+not in the staging ring's reads (the ring never reads them, `DiskParam.in_place`): the
+cache reads the experts it misses from the files at the module's call, and the layer waits
+for those reads."""
 
 from __future__ import annotations
 
 from offload.errors import PlanError
 from offload.pure.disk.tier import DiskTierPlan, first_reads, next_occupants
+from offload.pure.experts.expected import bounded
 from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import DiskReads, StepEstimate, Workload, estimate
 from offload.pure.fit.profiles import DeviceProfile
@@ -52,10 +55,11 @@ def estimate_with_tier(plan: OffloadPlan, tier: DiskTierPlan, profile: DevicePro
     """The steady-state step of `plan` run with `tier` on `profile` for `workload`,
     itemised per layer (`StepEstimate`; each disk layer's read in `disk_read_seconds`,
     its wait for a late read in `stall_seconds`); with `routing`, the expert caches'
-    copies and disk reads per step from the trace (`offload.pure.fit.estimate.estimate`).
+    copies and disk reads per step from the trace, without it their worst case
+    (`offload.pure.fit.estimate.estimate`).
 
     Raises:
         PlanError: `tier` is not the plan's; `routing` as `estimate` says.
     """
-    return estimate(plan, profile, workload, disk=disk_reads(plan, tier, in_place=routing is not None),
-                    routing=routing)
+    in_place = routing is not None or bounded(plan.experts)
+    return estimate(plan, profile, workload, disk=disk_reads(plan, tier, in_place=in_place), routing=routing)

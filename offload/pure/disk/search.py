@@ -43,6 +43,7 @@ from offload.pure.disk.tier import (
     tied_layers,
 )
 from offload.pure.env.snapshot import EnvSnapshot
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import DiskReads, StepEstimate, Workload, estimate
 from offload.pure.fit.host import HostPlacement
 from offload.pure.fit.profiles import DeviceProfile, planning_env
@@ -75,7 +76,12 @@ class TierSearch:
         self._names, self._tensors, self._extents, self._files = tuple(layer_names), tensors, extents, tuple(files)
         self._layer_bytes = layer_bytes_of(every)
         owned = disk_params_by_layer(every, layer_names, tensors or {}, extents or {})
+        # The staging buffer of each layer with its expert caches (their experts read in
+        # place) and streamed whole; what the ring reads where the misses are read at call.
         self._staged = {layer: layout(staged(found))[1] for layer, found in owned.items()}
+        self._whole = {layer: layout(found)[1] for layer, found in owned.items()}
+        self._ring_read = {layer: sum(p.nbytes for p in staged(found)) for layer, found in owned.items()}
+        self._in_place = frozenset(layer for layer, found in owned.items() if any(p.in_place for p in found))
         self._tied = frozenset(tied_layers(every))
 
     @property
@@ -86,30 +92,38 @@ class TierSearch:
     def _candidates(self, positions: Sequence[int], schedule: PrefetchSchedule) -> list[int]:
         return disk_candidates(len(positions), schedule.kept_positions, self._tied, positions)
 
-    def place(self, positions: Sequence[int], schedule: PrefetchSchedule) -> HostPlacement | None:
+    def place(self, positions: Sequence[int], schedule: PrefetchSchedule, *, caches: bool = True,
+              at_call: bool = False) -> HostPlacement | None:
         """The candidate's disk positions, as `plan_disk_tier` would choose them, with their
-        reads as the step simulation sees them (`disk_reads`); None when none fits."""
+        reads as the step simulation sees them (`disk_reads`, `in_place` as `at_call`
+        says); None when none fits. `caches`: its MoE layers have expert caches (as the
+        plan this search was built from), else are streamed whole."""
         candidates = self._candidates(positions, schedule)
-        chosen = tier_positions(positions, self._layer_bytes, self._staged, candidates,
+        buffers = self._staged if caches else self._whole
+        chosen = tier_positions(positions, self._layer_bytes, buffers, candidates,
                                 host_budget_bytes=self._budget, read_ahead=self._read_ahead)
         if chosen is None:
             return None
-        host, ring = tier_bytes(positions, self._layer_bytes, self._staged, chosen, self._read_ahead)
+        host, ring = tier_bytes(positions, self._layer_bytes, buffers, chosen, self._read_ahead)
         if not chosen:
             return HostPlacement(host_bytes=host)
         read_order = read_order_of(schedule.issued_after, set(chosen))
         staging = tuple(k % self._read_ahead for k in range(len(read_order)))
-        seconds = tuple(self._layer_bytes.get(positions[i], 0) / self._rate if i in set(chosen) else 0.0
+        at_call = at_call and caches
+        read = self._ring_read if at_call else self._layer_bytes
+        seconds = tuple(read.get(positions[i], 0) / self._rate if i in set(chosen) else 0.0
                         for i in range(len(positions)))
+        experts = tuple(sorted(positions[i] for i in chosen if positions[i] in self._in_place)) if at_call else ()
         reads = DiskReads(seconds=seconds,
                           next_of=tuple(next_occupants_of(read_order, staging, schedule.cycle_of).items()),
-                          first=first_reads_of(read_order, staging, schedule.initial))
+                          first=first_reads_of(read_order, staging, schedule.initial), expert_layers=experts,
+                          bytes_per_s=self._rate)
         return HostPlacement(host_bytes=host + ring, disk=reads, disk_positions=chosen)
 
-    def least_host_bytes(self, positions: Sequence[int], schedule: PrefetchSchedule) -> int:
+    def least_host_bytes(self, positions: Sequence[int], schedule: PrefetchSchedule, *, caches: bool = True) -> int:
         """The least host memory the candidate takes with any count of layers on disk."""
-        return least_host_bytes(positions, self._layer_bytes, self._staged, self._candidates(positions, schedule),
-                                read_ahead=self._read_ahead)
+        return least_host_bytes(positions, self._layer_bytes, self._staged if caches else self._whole,
+                                self._candidates(positions, schedule), read_ahead=self._read_ahead)
 
     def tier(self, plan: OffloadPlan, env: EnvSnapshot | None = None) -> DiskTierPlan | None:
         """`plan_disk_tier` of a prefetch `plan` for this budget (None when every offloaded
@@ -121,12 +135,14 @@ class TierSearch:
                                extents=self._extents, files=self._files, env=env)
         return found if found.disk_positions else None
 
-    def estimate(self, plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> tuple[StepEstimate, int]:
-        """The plan's step with its disk tier, and the host memory it takes."""
+    def estimate(self, plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
+                 routing: RoutingTrace | None = None) -> tuple[StepEstimate, int]:
+        """The plan's step with its disk tier (over `routing`, where given), and the host
+        memory it takes."""
         found = self.tier(plan)
         if found is None:
-            return estimate(plan, profile, workload), plan.host_bytes
-        return estimate_with_tier(plan, found, profile, workload), found.host_bytes
+            return estimate(plan, profile, workload, routing=routing), plan.host_bytes
+        return estimate_with_tier(plan, found, profile, workload, routing=routing), found.host_bytes
 
 
 def tier_search(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, *, host_budget_bytes: int,
@@ -167,9 +183,10 @@ def fit_with_tier(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, wor
                   layer_names: Sequence[str] = (), tensors: Mapping[str, TensorHeader] | None = None,
                   extents: Mapping[str, DiskExtent] | None = None,
                   files: Sequence[FileIdentity] = (), expert_cache: bool = True,
-                  expert_slots: int | None = None) -> TierFit:
+                  expert_slots: int | None = None, routing: RoutingTrace | None = None) -> TierFit:
     """`fit` within a device budget and a host budget together (see the module docstring),
-    and the chosen plan's disk tier (None when its offloaded weights fit in host memory).
+    and the chosen plan's disk tier (None when its offloaded weights fit in host memory);
+    over `routing` where given (`fit`'s), a disk layer's expert misses read at their call.
 
     Raises:
         ConfigError: as `fit`.
@@ -180,5 +197,6 @@ def fit_with_tier(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, wor
                          extents=extents, files=files, expert_cache=expert_cache)
     result = fit(spec, env, profile, workload, device_budget_bytes, outside_bytes=outside_bytes,
                  reserve_bytes=reserve_bytes, param_filter=param_filter, max_prefetch_step=max_prefetch_step,
-                 runners_up=runners_up, host=search, expert_cache=expert_cache, expert_slots=expert_slots)
+                 runners_up=runners_up, host=search, expert_cache=expert_cache, expert_slots=expert_slots,
+                 routing=routing)
     return TierFit(fit=result, tier=search.tier(result.plan, result.env))

@@ -6,11 +6,15 @@ policy), and beside it through Belady's optimum for the same slots (`belady`). A
 name experts modules the plan gives no cache (layers kept resident, or streamed whole):
 they are left out, as their experts are not the caches' to copy. Every cache of the plan
 must be in the trace, or its layer's step would be guessed.
+
+Without a trace, where every cache's module says its top-k (`ExpertGroup.top_k`), the worst
+case a step can make its caches copy is bounded (`bounded_loads`): a call over T tokens
+routes at most min(E, T x top_k) experts, and at most E minus its held experts miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -18,7 +22,7 @@ from offload.errors import PlanError
 from offload.pure.experts.replay import Replay, belady, replay
 from offload.pure.experts.values import ExpertCachePlan, RoutingTrace
 
-__all__ = ["ExpectedLoads", "LayerLoad", "expected_loads", "restrict_trace"]
+__all__ = ["ExpectedLoads", "LayerLoad", "bounded", "bounded_loads", "expected_loads", "restrict_trace"]
 
 
 @attrs.frozen(kw_only=True)
@@ -125,3 +129,39 @@ def expected_loads(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace,
                   hits=row[3] / steps)
         for layer, row in sorted(by_layer.items()))
     return ExpectedLoads(layers=layers, steps=steps, replayed=replayed, optimum=belady(plans, cut))
+
+
+def bounded(plans: tuple[ExpertCachePlan, ...]) -> bool:
+    """Whether `plans` are caches (one or more) whose modules all say their top-k: what
+    `bounded_loads` bounds."""
+    return bool(plans) and all(plan.group.top_k is not None for plan in plans)
+
+
+def bounded_loads(plans: tuple[ExpertCachePlan, ...], tokens: Sequence[int]) -> tuple[LayerLoad, ...] | None:
+    """The most each layer's expert caches can copy in one step, where every cache's module
+    says its top-k; None where one does not (or there are no caches).
+
+    A call over T tokens routes at most R = min(E, T x top_k) experts; the worst case is
+    that as many of them as can miss do: min(E - held, R) misses, the rest of the R hits
+    (held experts). The misses are the bytes that cross the link; a hit's copy from its slot
+    costs far less.
+
+    Args:
+        plans: the plan's expert caches (`OffloadPlan.experts`).
+        tokens: tokens per step of each layer (`Workload.tokens_by_layer`), indexed by layer.
+    """
+    if not bounded(plans):
+        return None
+    by_layer: dict[int, list[float]] = {}
+    for plan in plans:
+        group = plan.group
+        top_k = group.top_k or group.num_experts  # never 0 or None here: checked above
+        routed = min(group.num_experts, tokens[plan.layer] * top_k)
+        misses = min(group.num_experts - len(plan.held), routed)
+        row = by_layer.setdefault(plan.layer, [0.0, 0.0, 0.0, 0.0])
+        row[0] += misses * group.expert_bytes
+        row[1] += (routed - misses) * group.expert_bytes
+        row[2] += routed
+        row[3] += routed - misses
+    return tuple(LayerLoad(layer=layer, miss_bytes=row[0], hit_bytes=row[1], routed=row[2], hits=row[3])
+                 for layer, row in sorted(by_layer.items()))

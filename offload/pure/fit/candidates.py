@@ -8,7 +8,7 @@ the same simulation `estimate` runs. `FitCandidate` is public as
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -102,13 +102,15 @@ def _candidate(table: Table, config: OffloadConfig, *, busy: Sequence[float], of
                host: int, buffers: int = 0, transient: int = 0,
                copy: Sequence[float] = (), positions: Sequence[int] = (),
                schedule: PrefetchSchedule | None = None, disk: DiskReads | None = None,
-               host_bytes: int | None = None, disk_positions: tuple[int, ...] = ()) -> FitCandidate:
+               host_bytes: int | None = None, disk_positions: tuple[int, ...] = (),
+               at_call: Mapping[int, tuple[float, float]] | None = None) -> FitCandidate:
     """A candidate's figures, computed as `estimate` computes them (`host`: the bytes its
     offloaded weights take off the device; `host_bytes`: what they take of host memory,
-    when a disk tier holds some of them)."""
-    stalls = simulate_prefetch(busy, copy, positions, schedule, disk)[0] \
+    when a disk tier holds some of them; `at_call`: `simulate_prefetch`'s)."""
+    stalls = simulate_prefetch(busy, copy, positions, schedule, disk, at_call)[0] \
         if schedule is not None and positions else ()
     step = sum(b + s for b, s in zip(busy, stalls, strict=True)) if stalls else sum(busy)
+    step += sum(read + link for read, link in at_call.values()) if at_call else 0.0
     limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s, disk_seconds(disk))
     return FitCandidate(config=config, step_seconds=step, limit_seconds=limit,
                         resident_bytes=table.resident_bytes - host, buffer_bytes=buffers,
@@ -176,24 +178,33 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
                            expert_slots=table.expert_slots)
     rate = table.copy_rate
     schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
-    placed = host.place(expanded.positions, schedule) if host is not None else None
+    at_call = bool(table.expert_wait)  # the experts' misses copied (and read) at their call
+    placed = host.place(expanded.positions, schedule, caches=table.expert_cache, at_call=at_call) \
+        if host is not None else None
     if host is not None and placed is None:
         return None
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
     per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
     busy: Sequence[float] = table.compute
     copy_bytes = list(expanded.copy_bytes)
-    if table.expert_wait:  # a routing trace: each offloaded layer waits at its experts' calls
+    calls: dict[int, tuple[float, float]] = {}  # (disk read, link) at each layer's experts' call
+    if at_call:  # a trace or top-k bounds: each offloaded layer waits at its experts' calls
         on = set(expanded.positions)
+        # for its misses' reads from the files first, on the disk tier
+        reads = placed.disk if placed is not None and placed.disk is not None else None
+        read = {layer: table.expert_moved[layer] / reads.bytes_per_s for layer in reads.expert_layers} \
+            if reads is not None else {}
+        calls = {layer: (read.get(layer, 0.0), table.expert_moved[layer] / rate)
+                 for layer in expanded.positions if table.expert_moved[layer]}
         busy = [c + (w if i in on else 0.0) for i, (c, w) in enumerate(zip(table.compute, table.expert_wait,
                                                                               strict=True))]
-        per_step += sum(table.expert_moved[i] for i in expanded.positions)
-    elif table.served_bytes:  # no trace: a layer alone in its slot copies every expert at each call
-        at_call = {layer: table.served_bytes[layer]
-                   for layer in kept_layers(expanded.positions, depth, expanded.cycles) if table.served_bytes[layer]}
-        busy = [c + at_call[i] / rate if i in at_call else c for i, c in enumerate(table.compute)]
-        per_step += sum(at_call.values())
-        for layer, served in at_call.items():
+        per_step += sum(round(table.expert_moved[i]) for i in expanded.positions)
+    elif table.served_bytes:  # neither: a layer alone in its slot copies every expert at each call
+        whole = {layer: table.served_bytes[layer]
+                 for layer in kept_layers(expanded.positions, depth, expanded.cycles) if table.served_bytes[layer]}
+        calls = {layer: (0.0, served / rate) for layer, served in whole.items()}
+        per_step += sum(whole.values())
+        for layer, served in whole.items():
             copy_bytes[layer] -= served
     return _candidate(table, config, busy=busy, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
@@ -201,7 +212,7 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
                       positions=expanded.positions, schedule=schedule,
                       disk=placed.disk if placed is not None else None,
                       host_bytes=placed.host_bytes if placed is not None else None,
-                      disk_positions=placed.disk_positions if placed is not None else ())
+                      disk_positions=placed.disk_positions if placed is not None else (), at_call=calls)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -24,10 +24,15 @@ The model, per layer ``l`` of a step:
   host memory (``miss bytes / link rate``, after ``miss bytes / disk rate`` where its
   experts are on the disk tier) and its hits from their slots into their rows (``2 x hit
   bytes / weight-read rate``: a read and a write; 0 where the profile has no such rate),
-  and the layer waits for them: nothing overlaps it (no expert is copied ahead of its
-  call). The misses and hits per step are the trace's mean through the plan's policy
-  (`offload.pure.experts.expected`). Without a trace every expert is counted in its
-  layer's prefetch copy: every expert copied every step, the worst case for the bytes.
+  and the layer waits for them (no expert is copied ahead of its call). The misses' copies
+  cross the one link: they queue behind every copy issued before them (one copy stream),
+  and that wait is the layer's stall. The misses and hits per step are the trace's mean through the plan's policy
+  (`offload.pure.experts.expected`). Without a trace, where every cache's module says its
+  top-k (`ExpertGroup.top_k`), the worst case: at each call over T tokens, as many of the
+  min(E, T x top_k) experts it may route as can miss do (`bounded_loads`), costed as a
+  trace's. Where one does not say, every expert is counted in its layer's prefetch copy
+  (every expert copied every step, the worst case for the bytes), and a layer alone in its
+  slot copies every expert at each call.
 
 Passes are simulated with event times until the pass duration repeats (period 1 to 4
 passes), and the steady-state passes are reported, because with circular prefetch the
@@ -42,7 +47,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from offload.errors import PlanError
-from offload.pure.experts.expected import ExpectedLoads, LayerLoad, expected_loads
+from offload.pure.experts.expected import ExpectedLoads, LayerLoad, bounded_loads, expected_loads
 from offload.pure.experts.values import RoutingTrace, served_refs
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.fit.step import MAX_TOKENS_PER_STEP, DiskReads, LayerEstimate, StepEstimate, Workload
@@ -57,6 +62,7 @@ __all__ = [
     "Workload",
     "estimate",
     "expert_seconds",
+    "hit_seconds",
     "layer_compute_seconds",
     "simulate_prefetch",
 ]
@@ -99,12 +105,13 @@ def layer_compute_seconds(
 
 def simulate_prefetch(
     busy: Sequence[float], copy: Sequence[float], positions: Sequence[int], schedule: PrefetchSchedule,
-    disk: DiskReads | None = None,
+    disk: DiskReads | None = None, at_call: Mapping[int, tuple[float, float]] | None = None,
 ) -> tuple[tuple[float, ...], int, int]:
     """Event-time simulation of repeated passes; the steady state's stall per layer.
 
     Args:
-        busy: per layer, seconds it occupies the compute stream once it starts.
+        busy: per layer, seconds it occupies the compute stream once it starts, besides
+            `at_call`.
         copy: per offloaded position, seconds its copy occupies the link.
         positions: per offloaded position, its layer index (increasing).
         schedule: initial copies and `next_after`, as `schedule_prefetch` builds them;
@@ -114,6 +121,10 @@ def simulate_prefetch(
             copy out of its staging buffer's previous occupant has landed; the host
             thread waits for a read before it issues the read position's copy (that
             wait is the layer's stall, as the executor's `StagingRing.ready` is).
+        at_call: per offloaded layer with expert caches, (its misses' disk reads, their
+            copies' seconds on the link) at its experts' call: once the layer has started
+            and read them, the copies queue on the link behind every copy issued before
+            (one copy stream), and the layer waits for them; waiting for the link is stall.
 
     Returns:
         (stall seconds per layer averaged over the steady-state period, passes simulated,
@@ -134,6 +145,7 @@ def simulate_prefetch(
     before = [sum(busy[(positions[i - 1] + 1 if i else 0):layer]) for i, layer in enumerate(positions)]
     after = sum(busy[positions[-1] + 1:]) if positions else sum(busy)
     own = [busy[layer] for layer in positions]
+    calls = [at_call.get(layer, (0.0, 0.0)) if at_call else (0.0, 0.0) for layer in positions]
     ready = [0.0] * len(positions)  # when the copy for a position's next run lands
     issued_after = schedule.issued_after
     read = disk.seconds if disk is not None else (0.0,) * len(positions)
@@ -171,6 +183,13 @@ def simulate_prefetch(
             if ready[i] > now:
                 pass_waits[i] = ready[i] - now
                 now = ready[i]
+            read_first, on_link = calls[i]
+            now += read_first
+            if on_link:
+                if link_free > now:
+                    pass_waits[i] += link_free - now
+                    now = link_free
+                link_free = now = now + on_link
             now += own[i]
             if target is not None:
                 went_on = issue(target, now)
@@ -217,8 +236,8 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         routing: the routed experts per step (`RoutingTrace`, recorded by
             `offload.executors.experts.record_routing` or drawn by
             `offload.pure.experts.replay.zipf_trace`): the expert caches' copies are its
-            mean per step (`LayerEstimate.expert_bytes`). None: every expert of a cache is
-            counted in its layer's prefetch copy (the worst case).
+            mean per step (`LayerEstimate.expert_bytes`). None: the worst case (see the
+            module docstring: bounded by each module's top-k where every one says it).
 
     Returns:
         The estimate, one `LayerEstimate` per layer index up to the last one with a
@@ -234,13 +253,16 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
     weight = [0] * num_layers
     moved = {placement: [0] * num_layers for placement in (Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND)}
     loads = None if routing is None else expected_loads(plan.experts, routing, {(p.layer, p.name) for p in plan.params})
-    # Without a trace a cache's experts are counted in its layer's copy, but a layer alone in
-    # its slot keeps only its other weights there (the rows are shared): its cache copies
+    bound = bounded_loads(plan.experts, workload.tokens_by_layer(plan.stack_ranges, num_layers)) \
+        if loads is None else None
+    per_call = loads.layers if loads is not None else bound
+    # Without either, a cache's experts are counted in its layer's copy, but a layer alone
+    # in its slot keeps only its other weights there (the rows are shared): its cache copies
     # every expert at every call, the worst case, at its call.
     kept = {plan.offloaded_layers[i] for i in plan.schedule.kept_positions}
-    served = served_refs(plan.experts) if loads is not None else \
+    served = served_refs(plan.experts) if per_call is not None else \
         frozenset(ref for ref in served_refs(plan.experts) if ref[0] in kept)
-    at_call = {layer: 0 for layer, _ in served} if loads is None else {}
+    at_call = {layer: 0 for layer, _ in served} if per_call is None else {}
     for p in plan.params:
         numels[p.layer] += math.prod(p.shape)
         if p.tied_to is not None and p.tied_to[0] == p.layer:
@@ -250,7 +272,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
             continue
         if (p.layer, p.name) not in served:
             moved[p.placement][p.layer] += p.nbytes
-        elif loads is None:
+        elif per_call is None:
             at_call[p.layer] += p.nbytes
     compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(
@@ -264,7 +286,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         profile=profile,
         workload=workload,
         disk=disk,
-        load_of={load.layer: load for load in loads.layers} if loads is not None else
+        load_of={load.layer: load for load in per_call} if per_call is not None else
         {layer: LayerLoad(layer=layer, miss_bytes=n, hit_bytes=0.0, routed=0.0, hits=0.0) for layer, n in at_call.items()},
         experts=loads,
     )
@@ -306,10 +328,15 @@ def _from_loads(
     uva_rate = profile.zero_copy_bytes_per_s
     load_of = load_of or {}
     expert_reads = _expert_reads(load_of, disk)
+    # At its experts' call a layer reads its misses from disk (on the disk tier), copies
+    # them over the link (simulated: they queue behind the copies issued before), and
+    # copies its hits from their slots (with its compute).
+    calls = {layer: (expert_reads.get(layer, 0.0), load.miss_bytes / rate) for layer, load in load_of.items()}
+    hits = [hit_seconds(load_of[layer], profile) if layer in load_of else 0.0 for layer in range(len(compute))]
     waits = [
         expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
         for layer in range(len(compute))]
-    extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, waits, strict=True)]
+    extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, hits, strict=True)]
     busy = [c + e for c, e in zip(compute, extra, strict=True)]
     copy = [copy_bytes[layer] / rate for layer in positions]
     once = {positions[i] for i in schedule.kept_positions}
@@ -320,7 +347,7 @@ def _from_loads(
         positions[i]: seconds for i, seconds in enumerate(disk.seconds) if seconds and next_of[i] != i}
     passes, period = 1, 1
     if positions:
-        stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule, disk)
+        stalls, passes, period = simulate_prefetch(busy, copy, positions, schedule, disk, calls)
     else:
         stalls = tuple(0.0 for _ in busy)
     return StepEstimate(
@@ -360,9 +387,15 @@ def _from_loads(
 
 def expert_seconds(load: LayerLoad, rate: float, profile: DeviceProfile) -> float:
     """A layer's wait at its experts' calls for their copies, from host memory: the misses
-    over the link, the hits from their slots (a read and a write of device memory)."""
+    over the link, the hits from their slots (`hit_seconds`)."""
+    return load.miss_bytes / rate + hit_seconds(load, profile)
+
+
+def hit_seconds(load: LayerLoad, profile: DeviceProfile) -> float:
+    """The hits' copies from their slots into their rows: a read and a write of device
+    memory at the profile's weight-read rate (0 where it has none)."""
     read = profile.weight_read_bytes_per_s
-    return load.miss_bytes / rate + (2.0 * load.hit_bytes / read if read is not None else 0.0)
+    return 2.0 * load.hit_bytes / read if read is not None else 0.0
 
 
 def _expert_reads(load_of: Mapping[int, LayerLoad], disk: DiskReads | None) -> dict[int, float]:

@@ -1,22 +1,29 @@
 """The expert caches as `fit`'s table sees them (`offload.pure.fit.table`): what each
 layer's caches take of the device at the search's C, which buffer keys and bytes they
 serve (`cache_costs`), and, with a routing trace, what they make the layer wait at its
-experts' calls per step (`expert_waits`), as `estimate(..., routing=)` costs a plan's."""
+experts' calls per step (`expert_waits`), as `estimate(..., routing=)` costs a plan's;
+without one, where every module says its top-k, the worst case of those waits
+(`bounded_waits`), as `estimate` costs it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
-from offload.pure.experts.expected import expected_loads
+from offload.pure.experts.expected import LayerLoad, bounded_loads, expected_loads
 from offload.pure.experts.values import ExpertCachePlan, RoutingTrace
-from offload.pure.fit.estimate import expert_seconds
+from offload.pure.fit.estimate import Workload, hit_seconds
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.spec.experts import ExpertGroup
 from offload.pure.spec.values import ModelSpec
 
-__all__ = ["CacheCosts", "Key", "cache_costs", "expert_waits"]
+__all__ = ["CacheCosts", "Key", "bounded_waits", "cache_costs", "cache_waits", "expert_waits"]
+
+#: Per layer, the wait at its experts' calls for its hits' copies from their slots
+#: (seconds) and the bytes its caches copy from host memory (their misses', on average;
+#: the simulation puts them on the link), per step; zero for a layer without a cache.
+Waits = tuple[tuple[float, ...], tuple[float, ...]]
 
 #: A prefetch buffer key, as `make_plan` keys buffers: (name, shape, stride, dtype).
 Key = tuple[str, tuple[int, ...], tuple[int, ...], str]
@@ -63,10 +70,10 @@ def cache_costs(spec: ModelSpec, owners: Mapping[tuple[int, str], Key], slots: i
 
 
 def expert_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, routing: RoutingTrace,
-                 profile: DeviceProfile, pinned: bool) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """Per layer, the wait at its experts' calls and the bytes its caches copy from host
-    memory per step over `routing`, with `slots` slots each and the default policy, as
-    `estimate` costs a plan's caches; zero for a layer without one.
+                 profile: DeviceProfile) -> Waits:
+    """Per layer, the wait at its experts' calls for its hits and the bytes its caches copy
+    from host memory per step over `routing` (`Waits`), with `slots` slots each and the
+    default policy, as `estimate` costs a plan's caches; zero for a layer without one.
 
     Raises:
         PlanError: `routing` lacks one of `groups`, names a module `spec` does not have,
@@ -74,9 +81,33 @@ def expert_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, r
     """
     plans = tuple(ExpertCachePlan(group=g, slots=slots) for g in groups)
     loads = expected_loads(plans, routing, {(layer.index, p.name) for layer in spec.layers for p in layer.params})
-    rate = profile.h2d_bytes_per_s(pinned=pinned)
-    wait, moved = [0.0] * len(spec.layers), [0] * len(spec.layers)
-    for load in loads.layers:
-        wait[load.layer] = expert_seconds(load, rate, profile)
-        moved[load.layer] = round(load.miss_bytes)
-    return tuple(wait), tuple(moved)
+    return _waits(len(spec.layers), loads.layers, profile)
+
+
+def bounded_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, tokens: tuple[int, ...],
+                  profile: DeviceProfile) -> Waits | None:
+    """`expert_waits` of the worst case (`offload.pure.experts.expected.bounded_loads`) at
+    `tokens` per step of each layer; None where a module of `groups` does not say its top-k."""
+    loads = bounded_loads(tuple(ExpertCachePlan(group=g, slots=slots) for g in groups), tokens)
+    return None if loads is None else _waits(len(spec.layers), loads, profile)
+
+
+def cache_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, routing: RoutingTrace | None,
+                workload: Workload, profile: DeviceProfile) -> Waits:
+    """The waits the table costs: over `routing` (`expert_waits`), else their top-k bound
+    at `workload`'s tokens (`bounded_waits`); empty where neither applies (no `groups`, or
+    no trace and a module that does not say its top-k)."""
+    if not groups:
+        return (), ()
+    if routing is not None:
+        return expert_waits(spec, groups, slots, routing, profile)
+    tokens = workload.tokens_by_layer(spec.stack_ranges, len(spec.layers))
+    return bounded_waits(spec, groups, slots, tokens, profile) or ((), ())
+
+
+def _waits(num_layers: int, loads: Iterable[LayerLoad], profile: DeviceProfile) -> Waits:
+    hits, moved = [0.0] * num_layers, [0.0] * num_layers
+    for load in loads:
+        hits[load.layer] = hit_seconds(load, profile)
+        moved[load.layer] = load.miss_bytes
+    return tuple(hits), tuple(moved)

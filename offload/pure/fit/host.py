@@ -16,6 +16,7 @@ from typing import Protocol
 
 import attrs
 
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import DiskReads, StepEstimate, Workload
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.plan.plan import OffloadPlan
@@ -47,16 +48,22 @@ class HostTier(Protocol):
         """Host memory the offloaded weights (and a disk tier's staging ring) may take, bytes."""
         ...
 
-    def place(self, positions: Sequence[int], schedule: PrefetchSchedule) -> HostPlacement | None:
+    def place(self, positions: Sequence[int], schedule: PrefetchSchedule, *, caches: bool = True,
+              at_call: bool = False) -> HostPlacement | None:
         """A prefetch candidate offloading the layers `positions` (in schedule order) on
-        `schedule`, placed within the budget; None when no disk tier makes it fit."""
+        `schedule`, placed within the budget; None when no disk tier makes it fit.
+        `caches`: its MoE layers have expert caches (whose experts the staging ring does
+        not hold), else are streamed whole; `at_call`: their misses are read from disk at
+        the experts' call (a routing trace or top-k bounds cost them there:
+        `DiskReads.expert_layers`), else with their layers (every expert, the worst case)."""
         ...
 
-    def least_host_bytes(self, positions: Sequence[int], schedule: PrefetchSchedule) -> int:
+    def least_host_bytes(self, positions: Sequence[int], schedule: PrefetchSchedule, *, caches: bool = True) -> int:
         """The least host memory that candidate can take with any disk tier, bytes."""
         ...
 
-    def estimate(self, plan: OffloadPlan, profile: DeviceProfile, workload: Workload) -> tuple[StepEstimate, int]:
+    def estimate(self, plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
+                 routing: RoutingTrace | None = None) -> tuple[StepEstimate, int]:
         """The step of the plan `fit` chose, run with its disk tier (if the budget needs
-        one), and the host bytes it then takes."""
+        one), over `routing` where given, and the host bytes it then takes."""
         ...

@@ -46,7 +46,7 @@ def host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | Non
         for depth in range(1, min(len(expanded.positions), max_step) + 1):
             device = table.resident_bytes - layer_set.host_bytes + buffer_bytes(expanded, depth) + table.fixed_bytes
             schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
-            least = host.least_host_bytes(expanded.positions, schedule)
+            least = host.least_host_bytes(expanded.positions, schedule, caches=table.expert_cache)
             config = OffloadConfig(backend="prefetch", group_size=layer_set.group_size,
                                    num_in_group=layer_set.num_in_group, prefetch_step=depth,
                                    param_filter=table.segments, expert_cache=table.expert_cache,

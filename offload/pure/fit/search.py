@@ -151,12 +151,15 @@ def fit(
     slots each, or, where that is None, at one slot each, after which the winner's caches
     take their default slots (`offload.pure.experts.size.default_slots`) if the budget
     has room for them, or else the largest C that fits (its config then says C; the
-    runners-up keep one slot). Without `routing` the step is costed as if every expert
-    were copied with its layer; with it, as `estimate(..., routing=)` costs it: each
-    offloaded MoE layer waits at its experts' calls for the misses and hits the trace gives
-    its caches at the search's C, and the winner, once its caches are sized, is estimated
-    again at its own C (its figures, not the runners-up's, then count the larger caches).
-    Over a trace the search is run with the caches and without (MoE layers streamed whole,
+    runners-up keep one slot). With `routing` the step is costed as `estimate(...,
+    routing=)` costs it: each offloaded MoE layer waits at its experts' calls for the misses
+    and hits the trace gives its caches at the search's C (after reading the misses from
+    the files, for a layer on the disk tier), and the winner, once its caches are sized, is
+    estimated again at its own C (its figures, not the runners-up's, then count the larger
+    caches). Without it, where every experts module says its top-k, the same waits for
+    their worst case (`offload.pure.experts.expected.bounded_loads`), as `estimate` costs
+    it; where one does not, as if every expert were copied with its layer. Over a trace or
+    those bounds the search is run with the caches and without (MoE layers streamed whole,
     their experts' copy overlapping the layers before them), and the faster wins, with its
     runners-up; `expert_cache=False` searches without only.
 
@@ -181,8 +184,8 @@ def fit(
         expert_cache: False: no expert caches; MoE layers are streamed whole.
         expert_slots: C of every expert cache (1 to the smallest expert count); None: as
             the budget allows (above).
-        routing: the routed experts per step (`RoutingTrace`); None: every expert copied
-            every step (the worst case). Not with `host`.
+        routing: the routed experts per step (`RoutingTrace`); None: the worst case
+            (above).
 
     Returns:
         The chosen configuration with its plan and estimate, and the runners-up.
@@ -197,23 +200,34 @@ def fit(
             budget that works with this host budget, each with its configuration.
             `expert_slots` above an experts module's expert count (naming it). A `routing`
             trace that lacks an experts module that may be cached, names one the model does
-            not have, or has no steps; `routing` with `host`.
+            not have, or has no steps.
     """
     search = functools.partial(_fit, spec, env, profile, workload, device_budget_bytes, outside_bytes=outside_bytes,
                                reserve_bytes=reserve_bytes, param_filter=param_filter,
                                max_prefetch_step=max_prefetch_step, runners_up=runners_up, host=host,
                                expert_slots=expert_slots, routing=routing)
-    if routing is None or not expert_cache or not spec.experts or host is not None:
+    at_call = routing is not None or all(group.top_k is not None for group in spec.experts)
+    if not at_call or not expert_cache or not spec.experts:
         return search(expert_cache=expert_cache)
-    # Over a trace a layer waits for its misses at its experts' call, where streamed whole
-    # its experts' copy overlaps the layers before it: either may be faster.
+    # A layer waits for its misses at its experts' call, where streamed whole its experts'
+    # copy overlaps the layers before it: either may be faster.
+    refused: PlanError | None = None
     try:
         cached: FitResult | None = search(expert_cache=True)
     except PlanError as exc:
         if exc.name == "routing":
             raise
-        cached = None  # the caches' device bytes do not fit; streaming whole may
-    whole = search(expert_cache=False)
+        cached, refused = None, exc  # the caches' device bytes do not fit; streaming whole may
+    try:
+        whole = search(expert_cache=False)
+    except PlanError as exc:
+        if cached is not None:
+            return cached
+        # Neither fits: a refusal for the host budget says more (some configuration fits
+        # the device) than one for the device budget.
+        if refused is not None and refused.name == "host_budget_bytes" and exc.name != "host_budget_bytes":
+            raise refused from None
+        raise
     return cached if cached is not None and compare(cached.chosen, whole.chosen) <= 0 else whole
 
 
@@ -233,9 +247,6 @@ def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Wo
                              expert_slots=expert_slots).param_filter
     if expert_cache and expert_slots is not None and spec.experts:
         check_slots(spec.experts, expert_slots)
-    if routing is not None and host is not None:
-        raise PlanError("a routing trace and a host budget together are not searched yet: the disk tier's reads of "
-                        "the experts a cache misses are not costed by the search", name="routing", value=None)
     penv = planning_env(env, profile)
     table = build_table(spec, penv, profile, workload, segments, reserve, outside_bytes, expert_cache=expert_cache,
                         expert_slots=expert_slots, routing=routing)
@@ -311,11 +322,13 @@ def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best:
     `host`: its step with its disk tier, and the host memory it then takes); with
     `size_caches`, give its expert caches the slots the budget has room for (`_sized`),
     and with `routing` its step at those slots."""
+    def step_of(plan: OffloadPlan) -> tuple[StepEstimate, int]:
+        if host is not None and plan.backend.value == "prefetch":
+            return host.estimate(plan, table.profile, table.workload, routing=routing)
+        return estimate(plan, table.profile, table.workload, routing=routing), plan.host_bytes
+
     plan = make_plan(spec, best.config, penv)
-    if host is not None and plan.backend.value == "prefetch":
-        step, host_bytes = host.estimate(plan, table.profile, table.workload)
-    else:
-        step, host_bytes = estimate(plan, table.profile, table.workload, routing=routing), plan.host_bytes
+    step, host_bytes = step_of(plan)
     chosen = attrs.evolve(
         best, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds,
         resident_bytes=plan.device_bytes_resident, buffer_bytes=plan.device_bytes_buffers,
@@ -337,9 +350,8 @@ def _result(spec: ModelSpec, penv: EnvSnapshot, table: Table, budget: int, best:
         if config != best.config:
             plan = make_plan(spec, config, penv)
             chosen = attrs.evolve(chosen, config=config, buffer_bytes=plan.device_bytes_buffers)
-            if routing is not None:  # more slots, more hits: the step at the winner's own C
-                step = estimate(plan, table.profile, table.workload, routing=routing)
-                chosen = attrs.evolve(chosen, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds)
+            step = step_of(plan)[0]  # over a trace, more slots, more hits: the step at the winner's own C
+            chosen = attrs.evolve(chosen, step_seconds=step.step_seconds, limit_seconds=step.limit_seconds)
     return FitResult(budget_bytes=budget, chosen=chosen, plan=plan, estimate=step, runners_up=others,
                      profile=table.profile, workload=table.workload, env=penv,
                      simulated=simulated, considered=considered,

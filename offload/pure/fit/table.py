@@ -16,7 +16,8 @@ C (the user's `expert_slots`, or one slot each: `fit` sizes the winner's afterwa
 for all slots (`BufferPlan.shared`), counted once (`Expanded.rows_bytes`). Given a routing
 trace, a layer's experts are not in its copy: at its experts' call it waits for the misses
 and hits the trace gives its caches at the search's C (`expert_wait`), as `estimate(...,
-routing=)` costs them.
+routing=)` costs them; without one, where every module says its top-k, for their worst
+case (`offload.pure.fit.experts.bounded_waits`), as `estimate` costs it.
 
 A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
 with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
@@ -38,7 +39,7 @@ from offload.pure.decide.uva import decide_uva
 from offload.pure.env.snapshot import EnvSnapshot
 from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import Workload, layer_compute_seconds
-from offload.pure.fit.experts import CacheCosts, Key, cache_costs, expert_waits
+from offload.pure.fit.experts import CacheCosts, Key, cache_costs, cache_waits
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.plan.schedule import stack_cycles
 from offload.pure.spec.values import ModelSpec, ParamSpec
@@ -99,10 +100,11 @@ class Table:
     cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
     cache_keys: tuple[frozenset[Key], ...] = ()  # per layer: the buffer keys its caches serve; (): none
     served_bytes: tuple[int, ...] = ()  # per layer: the bytes of the parameters its caches serve; (): none
-    # With a routing trace, per layer: its wait at its experts' calls (seconds) and the
-    # bytes its caches copy from host memory, per step; (): no trace (every expert copied).
+    # With a routing trace (or top-k bounds), per layer: its wait at its experts' calls
+    # for its hits (seconds) and the bytes its caches copy from host memory, per step;
+    # (): neither (every expert copied with its layer).
     expert_wait: tuple[float, ...] = ()
-    expert_moved: tuple[int, ...] = ()
+    expert_moved: tuple[float, ...] = ()
     expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
     # The search's C, its plans' `OffloadConfig.expert_slots`: the user's, or 1 where the
     # model has caches to cost.
@@ -116,7 +118,8 @@ class Table:
     @property
     def copied_bytes(self) -> tuple[int, ...]:
         """Per layer, the bytes its prefetch copy moves: its offloadable storages, less
-        those its expert caches serve where a routing trace costs them at their call."""
+        those its expert caches serve where a routing trace (or the top-k bound) costs them
+        at their call."""
         if not self.expert_wait:
             return self.layer_bytes
         return tuple(b - s for b, s in zip(self.layer_bytes, self.served_bytes, strict=True))
@@ -150,7 +153,8 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
                 expert_slots: int | None = None, routing: RoutingTrace | None = None) -> Table:
     """Group storages and decide eligibility exactly as `make_plan` does; the expert caches
     are costed at `expert_slots` slots each, or one where it is None, and with `routing`
-    by the trace (`offload.pure.fit.experts.expert_waits`).
+    by the trace, without it by the top-k bound where every module says its top-k
+    (`offload.pure.fit.experts.cache_waits`).
 
     Raises:
         PlanError: `routing` lacks an experts module that may be cached, names one the model
@@ -194,8 +198,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
             keys[first_layer].append((_key(first), first.nbytes))
             owners[(first_layer, first.name)] = _key(first)
     costs = cache_costs(spec, owners, expert_slots or 1) if expert_cache else CacheCosts()
-    waits, missed = expert_waits(spec, costs.groups, expert_slots or 1, routing, profile, pin.pin) \
-        if routing is not None and costs.groups else ((), ())
+    waits, missed = cache_waits(spec, costs.groups, expert_slots or 1, routing, workload, profile)
     return Table(
         compute=layer_compute_seconds(numels, weight, profile, workload, spec.stack_ranges), resident_bytes=resident,
         layer_bytes=tuple(layer_bytes), layer_has=tuple(layer_has),

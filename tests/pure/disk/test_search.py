@@ -19,12 +19,14 @@ from offload.pure import EnvSnapshot, LayerSpec, ModelSpec, OffloadConfig, Param
 from offload.pure.disk.estimate import estimate_with_tier
 from offload.pure.disk.search import TierFit, fit_with_tier
 from offload.pure.disk.tier import plan_disk_tier
+from offload.pure.experts.replay import zipf_trace
+from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import Workload, estimate
 from offload.pure.fit.profiles import planning_env
 from offload.pure.fit.search import fit
 from offload.pure.plan.plan import Backend, OffloadPlan
 from tests.pure.fit.test_search import ENVS, MAX_STEP, SPECS, TOKENS, TOY, device_bytes
-from tests.pure.fit.test_search_experts import moe_specs
+from tests.pure.fit.test_search_experts import at_call, moe_specs
 
 #: A disk as slow as the toy link (1000 bytes/s), so that reads matter beside copies.
 DISK_GBPS = 1e-6
@@ -49,26 +51,31 @@ def weighty_specs(draw: st.DrawFn, min_layers: int = 1) -> ModelSpec:
     return ModelSpec(layers=tuple(layers))
 
 
-def tiered(plan: OffloadPlan, host_budget: int, tokens: int, read_ahead: int) -> tuple[int, float] | None:
-    """(host bytes, step seconds) of `plan` within `host_budget`, or None when it cannot."""
+def tiered(plan: OffloadPlan, host_budget: int, tokens: int, read_ahead: int,
+           routing: RoutingTrace | None = None) -> tuple[int, float] | None:
+    """(host bytes, step seconds) of `plan` within `host_budget` (over `routing`, where
+    given), or None when it cannot."""
     workload = Workload(tokens_per_step=tokens)
     if plan.host_bytes <= host_budget:
-        return plan.host_bytes, estimate(plan, TOY, workload).step_seconds
+        return plan.host_bytes, estimate(plan, TOY, workload, routing=routing).step_seconds
     if plan.backend is not Backend.PREFETCH:
         return None
     try:
         tier = plan_disk_tier(plan, host_budget_bytes=host_budget, disk_gbps=DISK_GBPS, read_ahead=read_ahead)
     except PlanError:
         return None
-    return tier.host_bytes, estimate_with_tier(plan, tier, TOY, workload).step_seconds
+    return tier.host_bytes, estimate_with_tier(plan, tier, TOY, workload, routing=routing).step_seconds
 
 
-def configs(spec: ModelSpec, env: EnvSnapshot, expert_slots: int | None = None) -> list[OffloadConfig]:
+def configs(spec: ModelSpec, env: EnvSnapshot, expert_slots: int | None = None,
+            both: bool = False) -> list[OffloadConfig]:
+    """Every configuration; `both`: prefetch's with the expert caches and streaming whole."""
     layers = len(spec.layers)
     found = [OffloadConfig(backend="none")]
     found += [OffloadConfig(backend="prefetch", group_size=g, num_in_group=k, prefetch_step=d,
-                            expert_slots=expert_slots)
-              for g in range(1, layers + 1) for k in range(1, g + 1) for d in range(1, layers + 1)]
+                            expert_slots=expert_slots if cache else None, expert_cache=cache)
+              for g in range(1, layers + 1) for k in range(1, g + 1) for d in range(1, layers + 1)
+              for cache in ((True, False) if both else (True,))]
     every = make_plan(spec, OffloadConfig(backend="uva", uva_max_bytes=1 << 60), planning_env(env, TOY))
     prefix = 0
     for p in every.params:
@@ -79,38 +86,49 @@ def configs(spec: ModelSpec, env: EnvSnapshot, expert_slots: int | None = None) 
 
 
 def oracle(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host_budget: int,
-           read_ahead: int = 2, expert_slots: int | None = None) -> list[tuple[float, int, OffloadConfig]]:
+           read_ahead: int = 2, expert_slots: int | None = None,
+           routing: RoutingTrace | None = None) -> list[tuple[float, int, OffloadConfig]]:
     """(step, host bytes, config) of every configuration meeting both budgets (prefetch's
-    expert caches at `expert_slots` slots each: None, the default)."""
+    expert caches at `expert_slots` slots each: None, the default; and streaming whole
+    where a trace or the top-k bounds cost the caches' misses at their calls), over
+    `routing` where given."""
     penv = planning_env(env, TOY)
     out = []
-    for config in configs(spec, env, expert_slots):
-        need, _ = device_bytes(penv, config, spec, tokens, 0)
+    for config in configs(spec, env, expert_slots, both=routing is not None or at_call(spec)):
+        need, _ = device_bytes(penv, config, spec, tokens, 0, routing=routing)
         if need > device_budget:
             continue
-        found = tiered(make_plan(spec, config, penv), host_budget, tokens, read_ahead)
+        found = tiered(make_plan(spec, config, penv), host_budget, tokens, read_ahead, routing)
         if found is not None:
             out.append((found[1], found[0], config))
     return out
 
 
 def run(spec: ModelSpec, env: EnvSnapshot, tokens: int, device_budget: int, host_budget: int,
-        read_ahead: int = 2) -> TierFit:
+        read_ahead: int = 2, routing: RoutingTrace | None = None, expert_slots: int | None = None) -> TierFit:
     return fit_with_tier(spec, env, TOY, Workload(tokens_per_step=tokens), device_budget,
                          host_budget_bytes=host_budget, disk_gbps=DISK_GBPS, read_ahead=read_ahead,
-                         max_prefetch_step=MAX_STEP)
+                         max_prefetch_step=MAX_STEP, routing=routing, expert_slots=expert_slots)
 
 
 def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float, host: float,
-                  read_ahead: int, expert_slots: int | None = None) -> None:
+                  read_ahead: int, expert_slots: int | None = None, routing: RoutingTrace | None = None) -> None:
     """Both budgets (fractions of the model's bytes) against the oracle (the module
     docstring); a MoE model's caches at `expert_slots` slots in the oracle (1: what the
-    search costs them at before it sizes the winner's)."""
+    search costs them at before it sizes the winner's), over `routing` where given.
+
+    Where the search runs with the caches and streaming whole (a trace, or top-k bounds),
+    a refusal names the budgets of one of the two: they work, but the other may work
+    with less."""
+    both = routing is not None or at_call(spec)
+    # Over a trace the winner keeps the oracle's C (its step at another C is another);
+    # without one its caches are sized, which changes no step.
+    slots = expert_slots if routing is not None else None
     device_budget, host_budget = int(spec.nbytes * device), int(spec.nbytes * host)
-    meeting = oracle(spec, env, tokens, device_budget, host_budget, read_ahead, expert_slots)
+    meeting = oracle(spec, env, tokens, device_budget, host_budget, read_ahead, expert_slots, routing)
     if not meeting:
         with pytest.raises(PlanError) as caught:
-            run(spec, env, tokens, device_budget, host_budget, read_ahead)
+            run(spec, env, tokens, device_budget, host_budget, read_ahead, routing, slots)
         if caught.value.name != "host_budget_bytes":
             event("nothing fits the device")
             return  # nothing fits the device at all: fit's own refusal
@@ -120,15 +138,15 @@ def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
         least_host = int(message.split("the least host budget is ")[1].split("(")[1].split(" bytes")[0])
         least_device = int(message.split("the least device budget is ")[1].split("(")[1].split(" bytes")[0])
         assert least_host > host_budget and least_device > device_budget
-        assert oracle(spec, env, tokens, device_budget, least_host, read_ahead, expert_slots)
-        assert oracle(spec, env, tokens, least_device, host_budget, read_ahead, expert_slots)
-        # And they are the least: a byte less meets neither.
-        assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead, expert_slots)
-        assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead, expert_slots)
-        run(spec, env, tokens, device_budget, least_host, read_ahead)
-        run(spec, env, tokens, least_device, host_budget, read_ahead)
+        assert oracle(spec, env, tokens, device_budget, least_host, read_ahead, expert_slots, routing)
+        assert oracle(spec, env, tokens, least_device, host_budget, read_ahead, expert_slots, routing)
+        if not both:  # and they are the least: a byte less meets neither
+            assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead, expert_slots)
+            assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead, expert_slots)
+        run(spec, env, tokens, device_budget, least_host, read_ahead, routing, slots)
+        run(spec, env, tokens, least_device, host_budget, read_ahead, routing, slots)
         return
-    result = run(spec, env, tokens, device_budget, host_budget, read_ahead)
+    result = run(spec, env, tokens, device_budget, host_budget, read_ahead, routing, slots)
     best = min(step for step, _, _ in meeting)
     assert result.fit.chosen.step_seconds == pytest.approx(best, rel=1e-9)
     plan, tier = result.fit.plan, result.tier
@@ -137,8 +155,8 @@ def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
     assert (tier.host_bytes if tier is not None else plan.host_bytes) <= host_budget
     assert result.fit.chosen.host_bytes == (tier.host_bytes if tier is not None else plan.host_bytes)
     # Its estimate is the tier's, exactly as estimate_with_tier gives it.
-    expected = estimate_with_tier(plan, tier, TOY, Workload(tokens_per_step=tokens)) if tier is not None else \
-        estimate(plan, TOY, Workload(tokens_per_step=tokens))
+    expected = estimate_with_tier(plan, tier, TOY, Workload(tokens_per_step=tokens), routing=routing) \
+        if tier is not None else estimate(plan, TOY, Workload(tokens_per_step=tokens), routing=routing)
     assert result.fit.estimate == expected
     event(f"{plan.backend.value}, {'a disk tier' if tier is not None else 'no disk tier'}")
     if tier is not None:
@@ -174,6 +192,21 @@ def test_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(spec: ModelSp
     """The expert caches' device bytes and their rows, one buffer for all slots, inside
     both budgets; the oracle's caches at one slot each, as the search costs them."""
     check_budgets(spec, env, tokens, device, host, read_ahead, expert_slots=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=moe_specs(), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1), host=st.floats(0.0, 1.1),
+       read_ahead=st.sampled_from([1, 2]), steps=st.integers(1, 6), seed=st.integers(0, 2**31),
+       batch=st.integers(1, 3))
+def test_over_a_routing_trace_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(
+        spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float, host: float, read_ahead: int, steps: int,
+        seed: int, batch: int) -> None:
+    """A trace and a host budget together: a disk layer's expert misses are read from the
+    files at their call, then copied; the search costs them as `estimate_with_tier(...,
+    routing=)` does, with the caches at one slot and streaming whole."""
+    smallest = min((g.num_experts for g in spec.experts), default=2)
+    trace = zipf_trace(spec.experts, steps=steps, top_k=min(2, smallest), tokens=batch, seed=seed)
+    check_budgets(spec, env, tokens, device, host, read_ahead, expert_slots=1, routing=trace)
 
 
 @settings(max_examples=30, deadline=None)

@@ -220,3 +220,23 @@ def test_a_kept_layers_resident_weights_are_not_counted_as_its_experts() -> None
     assert all(p.placement.value == "resident" for p in plan.params if p.name == "attn.weight")
     step = estimate(plan, PROFILE, WORKLOAD)
     assert all(layer.expert_bytes == EXPERT_BYTES and layer.loaded_once_bytes == 0 for layer in step.layers)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(2, 12)), min_size=2, max_size=6), st.integers(1, 8),
+       st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31), st.integers(1, 6), st.integers(1, 3),
+       st.booleans(), st.booleans())
+def test_no_step_is_shorter_than_its_bytes_over_the_one_link(
+        layers: list[tuple[int, int | None]], steps: int, slots: int, tokens: int, seed: int, depth: int, group: int,
+        traced: bool, top_k: bool) -> None:
+    """The expert caches' misses cross the same link as the prefetch copies (they queue
+    behind them on the copy stream): a step is never shorter than every byte it moves over
+    the pinned rate, with a trace, with the top-k bound, or without either."""
+    spec = moe_spec(layers, top_k=2 if top_k else None)
+    experts = [e for _, e in layers if e is not None]
+    plan = _plan(spec, expert_slots=min(slots, min(experts)), group_size=min(group, len(experts)),
+                 prefetch_step=min(depth, len(experts)))
+    trace = zipf_trace(spec.experts, steps=steps, top_k=2, tokens=tokens, seed=seed) if traced else None
+    fast = attrs.evolve(PROFILE, bf16_flops_per_s=1e9)  # the link, not the compute, decides
+    step = estimate(plan, fast, Workload(tokens_per_step=tokens), routing=trace)
+    assert step.step_seconds >= step.link_seconds * (1 - 1e-9)

@@ -35,9 +35,11 @@ def _param(name: str, shape: tuple[int, ...]) -> ParamSpec:
     return ParamSpec(name=name, shape=shape, stride=contiguous_stride(shape), dtype="float32", itemsize=4)
 
 
-def moe_spec(layers: list[tuple[int, int | None]], *, hidden: int = 4, ffn: int = 2) -> ModelSpec:
+def moe_spec(layers: list[tuple[int, int | None]], *, hidden: int = 4, ffn: int = 2,
+             top_k: int | None = None) -> ModelSpec:
     """A model of one attention weight of `size` floats per layer, and `E` experts
-    (gate_up (E, 2 ffn, hidden), down (E, hidden, ffn)) in the layers whose E is not None."""
+    (gate_up (E, 2 ffn, hidden), down (E, hidden, ffn)) in the layers whose E is not None,
+    each token routed to min(`top_k`, E) of them (None: the modules do not say)."""
     specs, groups = [], []
     for index, (size, experts) in enumerate(layers):
         params = [_param("attn.weight", (size,))]
@@ -45,17 +47,26 @@ def moe_spec(layers: list[tuple[int, int | None]], *, hidden: int = 4, ffn: int 
             names = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
             params += [_param(names[0], (experts, 2 * ffn, hidden)), _param(names[1], (experts, hidden, ffn))]
             groups.append(ExpertGroup(layer=index, module="mlp.experts", num_experts=experts, params=names,
-                                      expert_bytes=3 * ffn * hidden * 4, routing=Routing.INDICES))
+                                      expert_bytes=3 * ffn * hidden * 4, routing=Routing.INDICES,
+                                      top_k=None if top_k is None else min(top_k, experts)))
         specs.append(LayerSpec(index=index, name=f"model.layers.{index}", params=tuple(params)))
     return ModelSpec(layers=tuple(specs), experts=tuple(groups))
 
 
 @st.composite
 def moe_specs(draw: st.DrawFn) -> ModelSpec:
-    """1 to 5 layers, each with an attention weight and, most of the time, 2 to 16 experts."""
+    """1 to 5 layers, each with an attention weight and, most of the time, 2 to 16 experts;
+    a top-k of 1 to 4 or none."""
     count = draw(st.integers(1, 5))
     layers = [(draw(st.integers(1, 64)), draw(st.one_of(st.none(), st.integers(2, 16)))) for _ in range(count)]
-    return moe_spec(layers, hidden=draw(st.integers(1, 4)), ffn=draw(st.integers(1, 3)))
+    return moe_spec(layers, hidden=draw(st.integers(1, 4)), ffn=draw(st.integers(1, 3)),
+                    top_k=draw(st.one_of(st.none(), st.integers(1, 4))))
+
+
+def at_call(spec: ModelSpec) -> bool:
+    """Whether `fit` costs `spec`'s experts at their calls without a trace (every module
+    says its top-k), and so searches with the caches and streaming whole."""
+    return bool(spec.experts) and all(g.top_k is not None for g in spec.experts)
 
 
 def run(spec: ModelSpec, env: EnvSnapshot, budget: int, tokens: int = 1, profile: DeviceProfile = TOY,
@@ -89,7 +100,11 @@ def test_a_set_whose_layers_all_stay_in_their_slots_is_not_pruned_by_the_expert_
 def test_fit_of_a_moe_model_fits_by_its_plan_and_is_as_fast_as_any_configuration(
         spec: ModelSpec, env: EnvSnapshot, tokens: int, fraction: float) -> None:
     budget = int(spec.nbytes * fraction)
-    best = oracle(spec, env, tokens, budget, 0, (), expert_slots=1)
+    found = [oracle(spec, env, tokens, budget, 0, (), expert_slots=1)]
+    if at_call(spec):  # the top-k bounds cost the caches' misses at their calls: streaming whole may win
+        found.append(oracle(spec, env, tokens, budget, 0, (), expert_cache=False))
+    steps = [step for step in found if step is not None]
+    best = min(steps) if steps else None
     if best is None:
         with pytest.raises(PlanError, match="more than the budget"):
             run(spec, env, budget, tokens)
@@ -258,14 +273,8 @@ def test_over_a_trace_streaming_whole_wins_where_its_copy_hides_behind_compute()
     assert best.chosen.step_seconds < estimate(cached, slow, Workload(), routing=trace).step_seconds
 
 
-def test_a_trace_without_a_cached_module_or_beside_a_host_budget_is_refused() -> None:
+def test_a_trace_without_a_cached_module_is_refused() -> None:
     spec = moe_spec([(64, 16)] * 4)
     short = RoutingTrace(groups=spec.experts[:3], steps=(((0,),) * 3,))
     with pytest.raises(PlanError, match="no steps of 3:mlp.experts"):
         run(spec, NO_UVA, int(spec.nbytes * 0.7), 1, routing=short)
-    from offload.pure.disk.search import tier_search
-
-    host = tier_search(spec, NO_UVA, TOY, host_budget_bytes=spec.nbytes, disk_gbps=1.0)
-    with pytest.raises(PlanError, match="a routing trace and a host budget together"):
-        fit(spec, NO_UVA, TOY, Workload(), int(spec.nbytes * 0.7), host=host,
-            routing=zipf_trace(spec.experts, steps=2, top_k=2))
