@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -17,6 +18,9 @@ from offload.errors import CheckpointError, PlanError
 from offload.pure.spec.experts import ExpertGroup
 from offload.pure.spec.safetensors import printable
 from offload.pure.spec.values import ModelSpec
+
+if TYPE_CHECKING:  # torch is imported only where the class is built
+    from torch.nn import Module
 
 __all__ = ["may_hold_experts", "with_experts"]
 
@@ -38,23 +42,24 @@ def may_hold_experts(spec: ModelSpec) -> bool:
     return False
 
 
-def with_experts(root: Path, spec: ModelSpec) -> tuple[ModelSpec, str]:
+def with_experts(root: Path, spec: ModelSpec, model: Module | None = None) -> tuple[ModelSpec, str]:
     """`spec` with the experts modules of the transformers class `root`'s config names,
-    built on meta (`offload.hf.streamed.build_on_meta`), and a line saying what was found;
-    `spec` as it is, with the reason, where the class cannot be built or its layers are
-    not those of `spec`.
+    built on meta (`offload.hf.streamed.build_on_meta`; `model` where the caller built it
+    already), and a line saying what was found; `spec` as it is, with the reason, where the
+    class cannot be built or its layers are not those of `spec`.
     """
     from offload.hf.pretrained import saved_class
     from offload.hf.streamed import build_on_meta
     from offload.model.experts import find_experts
 
-    try:
-        model_class, _ = saved_class(root / "config.json")
-        if model_class is None or not hasattr(model_class, "_from_config"):
-            return spec, ""
-        model = build_on_meta(model_class, root)
-    except CheckpointError as exc:
-        return spec, f"experts:  not looked for (the class was not built: {printable(exc.message)})"
+    if model is None:
+        try:
+            model_class, _ = saved_class(root / "config.json")
+            if model_class is None or not hasattr(model_class, "_from_config"):
+                return spec, ""
+            model = build_on_meta(model_class, root)
+        except CheckpointError as exc:
+            return spec, f"experts:  not looked for (the class was not built: {printable(exc.message)})"
     groups: list[ExpertGroup] = []
     for layer in spec.layers:
         try:

@@ -40,6 +40,8 @@ from offload.pure.spec.values import ModelSpec
 from offload.pure.units import format_bytes
 
 if TYPE_CHECKING:
+    from torch.nn import Module
+
     from offload.hf.buffers import SavedModel
 
 __all__ = ["Source", "has_weights", "plan_source"]
@@ -182,12 +184,13 @@ def _stored_apart(headers: CheckpointSpec) -> list[str]:
             if any(part.isdigit() for part in p.name.split("."))]
 
 
-def _live(root: Path, tensors: Sequence[TensorHeader], saved: SavedModel) -> tuple[Sequence[TensorHeader], SavedModel,
-                                                                                    str]:
+def _live(root: Path, tensors: Sequence[TensorHeader], saved: SavedModel
+          ) -> tuple[Sequence[TensorHeader], SavedModel, str, Module | None]:
     """`tensors` as the live model holds them, transformers' load-time conversions applied
     (`offload.hf.conversions`, on the class built as a streamed load builds it), `saved`'s
-    names of buffers and ``nn.Linear`` weights as the live model's, and a line saying so
-    (empty when nothing is converted); as they are, with the reason, when that fails."""
+    names of buffers and ``nn.Linear`` weights as the live model's, a line saying so
+    (empty when nothing is converted), and the class built on meta (for `_experts`); as
+    they are, with the reason, when that fails."""
     from offload.hf.conversions import live_headers, live_sources
     from offload.hf.pretrained import saved_class
     from offload.hf.streamed import build_on_meta
@@ -195,20 +198,21 @@ def _live(root: Path, tensors: Sequence[TensorHeader], saved: SavedModel) -> tup
     try:
         model_class, _ = saved_class(root / _CONFIG)
         if model_class is None or not hasattr(model_class, "_from_config"):
-            return tensors, saved, ""
-        sources = live_sources(build_on_meta(model_class, root), {t.name: t for t in tensors})
+            return tensors, saved, "", None
+        model = build_on_meta(model_class, root)
+        sources = live_sources(model, {t.name: t for t in tensors})
     except CheckpointError as exc:
-        return tensors, saved, f"layers:   as stored, not as transformers loads them: {printable(exc.message)}"
+        return tensors, saved, f"layers:   as stored, not as transformers loads them: {printable(exc.message)}", None
     live = live_headers(sources, {t.name: t for t in tensors})
     converted = [s for s in sources.values() if not s.as_stored]
     if not converted:
-        return tensors, saved, ""
+        return tensors, saved, "", model
     renamed = {s.whole: s.name for s in converted if s.whole is not None}
     saved = attrs.evolve(saved, buffers=frozenset(renamed.get(n, n) for n in saved.buffers),
                          linear_weights=frozenset(renamed.get(n, n) for n in saved.linear_weights))
     return live, saved, (f"layers:   as transformers loads them: {count_of(len(tensors), 'tensor')} stored, "
                          f"{count_of(len(live), 'tensor')} live ({count_of(len(converted), 'tensor')} renamed or "
-                         "fused at load)")
+                         "fused at load)"), model
 
 
 def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> Source:
@@ -234,6 +238,7 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
         questions.append("which weights are nn.Linear ones, for --quantization int8")
     details: list[str] = []
     quantised = ""
+    meta: Module | None = None  # the class built on meta, where `_live` built it
     if not questions:
         details.append("class:    not built: one stack of weights and biases, whose headers tell the plan all it "
                        "needs")
@@ -249,7 +254,7 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
         else:
             details.append(f"class:    {saved.source} built on meta from {_CONFIG}, for {'; '.join(questions)}")
             if apart:
-                tensors, saved, line = _live(root, tensors, saved)
+                tensors, saved, line, meta = _live(root, tensors, saved)
                 details.extend([line] if line else [])
             if quantization == INT8:
                 tensors, quantised = _quantised(tensors, saved.linear_weights)
@@ -261,7 +266,7 @@ def _from_checkpoint(name: str, *, counted: str, quantization: str | None) -> So
     elif described != "none":
         details.append(f"quant:    as saved ({described}, config.json quantization_config): the headers hold the "
                        "quantised tensors")
-    spec, line = _experts(root, config, result.spec)
+    spec, line = _experts(root, config, result.spec, meta)
     return Source(spec=spec, origin=f"checkpoint {printable(name)}", outside_bytes=result.outside_bytes,
                   details=(*_stack_lines(result, counted), *details, *([line] if line else [])))
 
@@ -292,7 +297,7 @@ def _from_config(name: str, root: Path, *, counted: str, quantization: str | Non
         apart = _stored_apart(spec_from_tensors(tensors))
     except CheckpointError:
         apart = []  # said below
-    tensors, saved, live = _live(root, tensors, saved) if apart else (tensors, saved, "")
+    tensors, saved, live, meta = _live(root, tensors, saved) if apart else (tensors, saved, "", None)
     quantised = ""
     if int8:
         tensors, quantised = _quantised(tensors, saved.linear_weights)
@@ -311,18 +316,20 @@ def _from_config(name: str, root: Path, *, counted: str, quantization: str | Non
         details.append(quantised)
     if result.buffers:
         details.append(_buffer_line(result, saved.source, counted))
-    spec, line = _experts(root, config, result.spec)
+    spec, line = _experts(root, config, result.spec, meta)
     details.extend([line] if line else [])
     return Source(spec=spec, origin=f"config {printable(str(root))}", outside_bytes=result.outside_bytes,
                   details=tuple(details))
 
 
-def _experts(root: Path, config: Mapping[str, Any] | None, spec: ModelSpec) -> tuple[ModelSpec, str]:
-    """`spec` with its experts modules where it may hold some (`offload.cli.experts`), and
-    the line saying so; a diffusers model (``_class_name``) has none."""
+def _experts(root: Path, config: Mapping[str, Any] | None, spec: ModelSpec,
+             meta: Module | None) -> tuple[ModelSpec, str]:
+    """`spec` with its experts modules where it may hold some (`offload.cli.experts`; on
+    `meta`, the class built on meta, where `_live` built it already), and the line saying
+    so; a diffusers model (``_class_name``) has none."""
     if config is None or "_class_name" in config or not may_hold_experts(spec):
         return spec, ""
-    return with_experts(root, spec)
+    return with_experts(root, spec, meta)
 
 
 def _quantised(tensors: Sequence[TensorHeader], linear: frozenset[str]) -> tuple[tuple[TensorHeader, ...], str]:

@@ -19,7 +19,7 @@ from transformers.core_model_loading import Chunk, WeightConverter
 
 from offload import CheckpointError, EnvSnapshot, OffloadConfig, OffloadPlan
 from offload.cli import main
-from offload.hf import find_stacks, offload_pretrained
+from offload.hf import find_stacks, offload_pretrained, streamed
 from offload.hf.conversions import LiveSource, Piece, live_sources, spill_runs
 from offload.model.checkpoint import checkpoint_extents
 from offload.model.describe import describe_layers
@@ -115,11 +115,21 @@ def test_a_host_budget_alone_takes_the_expert_options(tmp_path: Path) -> None:
 
 
 def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, Any], tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     name, checkpoint, reference = saved
+    built: list[Path] = []
+    build = streamed.build_on_meta
+
+    def counted(model_class: Any, root: Path) -> Any:
+        built.append(root)
+        return build(model_class, root)
+
+    monkeypatch.setattr(streamed, "build_on_meta", counted)
     code = main(["plan", str(checkpoint), "--group-size", "1", "--prefetch-step", "2", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
+    assert len(built) == 1  # once, for the live conversions and the experts alike
     plan = OffloadPlan.from_json(out)
     layers = find_stacks(reference)[0]
     live = {(i, n): (tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -139,10 +149,12 @@ def test_plan_of_the_checkpoint_plans_the_live_layers(saved: tuple[str, Path, An
     alone = tmp_path / "config-only"
     alone.mkdir()
     (alone / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    built.clear()
     code = main(["plan", str(alone), "--group-size", "1", "--prefetch-step", "2", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert OffloadPlan.from_json(out).experts == plan.experts
+    assert len(built) == 1
 
 
 class ChunkedLlama(LlamaForCausalLM):  # type: ignore[no-untyped-call]  # transformers: __init_subclass__ untyped
