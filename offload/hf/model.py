@@ -31,7 +31,7 @@ from offload.pure.config import OffloadConfig
 from offload.pure.disk.search import TierSearch, tier_search
 from offload.pure.disk.tier import ASSUMED_DISK_GBPS
 from offload.pure.env.snapshot import EnvSnapshot
-from offload.pure.experts.values import RoutingProfile
+from offload.pure.experts.values import RoutingProfile, RoutingTrace
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import PROFILES, DeviceProfile, planning_env, profile_for_device
 from offload.pure.fit.search import fit
@@ -57,27 +57,36 @@ CPU_TIER_CONFIG = OffloadConfig(backend="prefetch", group_size=1, num_in_group=1
 @attrs.frozen(kw_only=True)
 class BudgetExperts:
     """The expert options a budget plans with, where no `config` says them: `fit`'s
-    ``expert_cache`` and ``expert_slots``, and a routing profile the chosen configuration
-    then holds (`OffloadConfig`'s fields of those names, checked as it checks them).
+    ``expert_cache`` and ``expert_slots``, a routing profile the chosen configuration then
+    holds (`OffloadConfig`'s fields of those names, checked as it checks them), and a
+    routing trace `fit` costs the caches over (its ``routing``; checked against the model
+    there).
 
     Raises:
-        ConfigError: an option `OffloadConfig` refuses, naming it.
+        ConfigError: an option `OffloadConfig` refuses, naming it; a `routing_trace` that
+            is not a `RoutingTrace`.
     """
 
     expert_cache: bool = True
     expert_slots: int | None = None
     routing_profile: RoutingProfile | None = None
+    routing_trace: RoutingTrace | None = None
 
     def __attrs_post_init__(self) -> None:
         OffloadConfig(expert_cache=self.expert_cache, expert_slots=self.expert_slots,
                       routing_profile=self.routing_profile)
+        trace: object = self.routing_trace
+        if trace is not None and not isinstance(trace, RoutingTrace):
+            raise ConfigError(f"routing_trace must be a RoutingTrace (record_routing(...).trace(), or "
+                              f"trace_from_json), got {type(trace).__name__}", name="routing_trace", value=trace)
 
     @property
     def given(self) -> tuple[str, ...]:
         """The options set to other than their defaults."""
         return tuple(name for name, value, default in (
             ("expert_cache", self.expert_cache, True), ("expert_slots", self.expert_slots, None),
-            ("routing_profile", self.routing_profile, None)) if value != default)
+            ("routing_profile", self.routing_profile, None), ("routing_trace", self.routing_trace, None))
+            if value != default)
 
     def on(self, config: OffloadConfig) -> OffloadConfig:
         """`config` with these options (its `expert_slots` kept where none is given here)."""
@@ -118,6 +127,10 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
     if config is not None and device_budget_bytes is not None:
         raise ConfigError("give config or device_budget_bytes, not both", name="config", value=config)
     if config is not None:
+        if experts.routing_trace is not None:
+            raise ConfigError("routing_trace is for a budget: fit costs the expert caches over it; with config= "
+                              "nothing is searched (give device_budget_bytes= instead, or drop it)",
+                              name="routing_trace", value=experts.routing_trace)
         if experts.given:
             name = experts.given[0]
             raise ConfigError(f"{', '.join(experts.given)}: with config=, set {'them' if len(experts.given) > 1 else 'it'}"
@@ -128,6 +141,9 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
         if not platform.has_cuda and disk is not None:
             log.info("no accelerator and a host budget of %s: every layer offloaded (%s), the disk tier holding "
                      "what the budget does not", format_bytes(disk.host_budget_bytes), CPU_TIER_CONFIG)
+            if experts.routing_trace is not None:
+                log.warning("the routing trace is not used: with no accelerator nothing is searched (every layer "
+                            "is offloaded)")
             return make_plan(spec, experts.on(CPU_TIER_CONFIG), env)
         if not platform.has_cuda:
             raise ConfigError(
@@ -139,7 +155,7 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
     host = _tier_search(spec, env, chosen, disk, layer_names) if disk is not None else None
     result = fit(spec, env, chosen, workload or Workload(), device_budget_bytes, outside_bytes=outside_bytes,
                  reserve_bytes=reserve_bytes, host=host, expert_cache=experts.expert_cache,
-                 expert_slots=experts.expert_slots)
+                 expert_slots=experts.expert_slots, routing=experts.routing_trace)
     log.info("fit %s in %s%s on %s: %s", format_bytes(spec.nbytes + outside_bytes), format_bytes(device_budget_bytes),
              f" and {format_bytes(disk.host_budget_bytes)} of host memory" if disk is not None else "",
              chosen.name, result.chosen.config)
@@ -185,6 +201,7 @@ def offload_model(
     expert_cache: bool = True,
     expert_slots: int | None = None,
     routing_profile: RoutingProfile | None = None,
+    routing_trace: RoutingTrace | None = None,
 ) -> ModelOffloader:
     """Offload a loaded model in one call: find its layer stack, plan, wrap, `post_init`.
 
@@ -223,6 +240,9 @@ def offload_model(
         expert_cache, expert_slots, routing_profile: with a budget, a mixture-of-experts
             model's expert options, as `OffloadConfig`'s (docs/moe.md): `fit` searches
             with them. With `config`, set them on it.
+        routing_trace: with a budget, a routing trace of this model (`RoutingTrace`,
+            recorded by `record_routing`): `fit` costs the expert caches over it instead of
+            their worst case (`fit`'s ``routing``). Not with `config`.
 
     Returns:
         The offloader, ready: the model runs offloaded; ``restore()`` gives it back.
@@ -234,7 +254,8 @@ def offload_model(
     """
     disk = disk_request(host_budget_bytes, checkpoint=checkpoint, spill_dir=spill_dir, disk_gbps=disk_gbps,
                         read_ahead=read_ahead)
-    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile)
+    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile,
+                            routing_trace=routing_trace)
     return offload_stacks(model, find_stacks(model, layers_path), config, device_budget_bytes=device_budget_bytes,
                           env=env, runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
                           disk=disk, experts=experts)

@@ -31,7 +31,7 @@ from offload.logs import logger
 from offload.protocols import Runtime
 from offload.pure.config import OffloadConfig
 from offload.pure.env.snapshot import EnvSnapshot
-from offload.pure.experts.values import RoutingProfile
+from offload.pure.experts.values import RoutingProfile, RoutingTrace
 from offload.pure.fit.estimate import Workload
 from offload.pure.fit.profiles import DeviceProfile
 from offload.pure.spec.safetensors import printable, short_repr
@@ -283,6 +283,7 @@ def offload_pretrained(
     expert_cache: bool = True,
     expert_slots: int | None = None,
     routing_profile: RoutingProfile | None = None,
+    routing_trace: RoutingTrace | None = None,
     **kwargs: Any,
 ) -> tuple[PreTrainedModel, ModelOffloader]:
     """Load a local checkpoint and offload it: `load_on_host`, then `offload_model`; with
@@ -298,7 +299,8 @@ def offload_pretrained(
     Args:
         path: the checkpoint directory.
         config, device_budget_bytes, env, runtime, reserve_bytes, profile, workload,
-            layers_path, expert_cache, expert_slots, routing_profile: as for `offload_model`.
+            layers_path, expert_cache, expert_slots, routing_profile, routing_trace: as for
+            `offload_model`.
         dtype, model_class, kwargs: as for `load_on_host`.
         host_budget_bytes, spill_dir, disk_gbps, read_ahead: the disk tier, as for
             `offload_model` (its `checkpoint` is `path`). The model is then built with
@@ -316,7 +318,8 @@ def offload_pretrained(
         ConfigError, PlanError, ExecutionError: as for `offload_model`.
     """
     disk = disk_request(host_budget_bytes, spill_dir=spill_dir, disk_gbps=disk_gbps, read_ahead=read_ahead)
-    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile)
+    experts = BudgetExperts(expert_cache=expert_cache, expert_slots=expert_slots, routing_profile=routing_profile,
+                            routing_trace=routing_trace)
     if disk is not None:
         return _streamed(path, config, disk, device_budget_bytes=device_budget_bytes, env=env, dtype=dtype,
                          runtime=runtime, reserve_bytes=reserve_bytes, profile=profile, workload=workload,
@@ -325,7 +328,7 @@ def offload_pretrained(
     offloader = offload_model(model, config, device_budget_bytes=device_budget_bytes, env=env, runtime=runtime,
                               reserve_bytes=reserve_bytes, profile=profile, workload=workload,
                               layers_path=layers_path, expert_cache=expert_cache, expert_slots=expert_slots,
-                              routing_profile=routing_profile)
+                              routing_profile=routing_profile, routing_trace=routing_trace)
     return model, offloader
 
 

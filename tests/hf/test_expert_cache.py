@@ -410,6 +410,47 @@ def test_a_device_budget_takes_the_expert_options_and_stays_exact() -> None:
     off.restore()
 
 
+def test_a_device_budget_takes_a_routing_trace_and_plans_what_fit_plans_over_it() -> None:
+    from offload.executors.experts import record_routing
+
+    expected = _decode(build_moe("qwen3_moe", 4), 2)
+    model, budget, env, profile = _budget_case()
+    with record_routing(model.model.layers) as record:
+        _decode(model, 2)
+    trace = record.trace()
+    spec = describe_layers(model.model.layers)
+    outside = sum(p.numel() * p.element_size() for p in model.parameters()) - spec.nbytes
+    wanted = fit(spec, env, profile, Workload(), budget, outside_bytes=outside, routing=trace)
+    worst = fit(spec, env, profile, Workload(), budget, outside_bytes=outside)
+    assert wanted.estimate.routing_steps == len(trace.steps) and worst.estimate.routing_steps == 0
+    off = offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                        routing_trace=trace)
+    assert off.plan.config == wanted.plan.config
+    assert _equal(_decode(model, 2), expected)
+    off.restore()
+
+
+def test_a_routing_trace_beside_a_config_not_a_trace_or_of_another_model_is_refused_before_anything_moves(
+        ) -> None:
+    from offload.executors.experts import record_routing
+
+    model, budget, env, profile = _budget_case(2)
+    other = build_moe("qwen3_moe", 3)
+    with record_routing(other.model.layers) as record:
+        _decode(other, 1)
+    before = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match="routing_trace is for a budget: fit costs the expert caches") as caught:
+        offload_model(model, EVERY_LAYER, env=env, runtime=CpuRuntime(), routing_trace=record.trace())
+    assert caught.value.name == "routing_trace"
+    with pytest.raises(ConfigError, match="routing_trace must be a RoutingTrace") as caught:
+        offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                      routing_trace=record.profile())  # type: ignore[arg-type]  # deliberately wrong
+    with pytest.raises(PlanError, match="2:mlp.experts is not this model's"):
+        offload_model(model, device_budget_bytes=budget, env=env, runtime=CpuRuntime(), profile=profile,
+                      routing_trace=record.trace())
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == before
+
+
 def test_expert_options_beside_a_config_or_out_of_range_are_refused_before_anything_moves() -> None:
     model, budget, env, profile = _budget_case(2)
     before = {name: p.data_ptr() for name, p in model.named_parameters()}

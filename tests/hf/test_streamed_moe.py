@@ -9,6 +9,7 @@ live layers. And what is not carried out is refused, naming the weight and the o
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from transformers.core_model_loading import Chunk, WeightConverter
 
 from offload import CheckpointError, EnvSnapshot, OffloadConfig, OffloadPlan
 from offload.cli import main
+from offload.executors.experts import record_routing
 from offload.hf import find_stacks, offload_pretrained, streamed
 from offload.hf.conversions import LiveSource, Piece, live_sources, spill_runs
 from offload.model.checkpoint import checkpoint_extents
@@ -110,6 +112,21 @@ def test_a_host_budget_alone_takes_the_expert_options(tmp_path: Path) -> None:
     model, offloader = offload_pretrained(checkpoint, env=EnvSnapshot(), runtime=CpuRuntime(),
                                           host_budget_bytes=budget, expert_cache=False)
     assert offloader.plan.experts == ()
+    assert torch.equal(_logits(model), _logits(reference))
+    offloader.restore()
+
+
+def test_a_routing_trace_a_host_budget_alone_does_not_search_is_said_unused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint, reference = _save("qwen3_moe", tmp_path)
+    with record_routing(reference.model.layers) as record:
+        _logits(reference)
+    budget = 4 * plan_tier(reference, checkpoint, config=CONFIG)[0].host_bytes
+    with caplog.at_level(logging.WARNING, logger="offload.plan"):
+        model, offloader = offload_pretrained(checkpoint, env=EnvSnapshot(), runtime=CpuRuntime(),
+                                              host_budget_bytes=budget, routing_trace=record.trace())
+    assert any("the routing trace is not used" in r.getMessage() for r in caplog.records)
+    assert offloader.plan.config.group_size == 1 and len(offloader.plan.experts) == 4  # CPU_TIER_CONFIG's
     assert torch.equal(_logits(model), _logits(reference))
     offloader.restore()
 
