@@ -1,10 +1,14 @@
-"""`fit`'s refusal when configurations fit the device budget but none fits the host budget
-too (`host_refusal`): the least host budget that works with this device budget, and the
-least device budget that works with this host budget, each with its configuration."""
+"""`fit`'s refusals (`Refusal`): when no configuration fits the device budget, or when
+configurations fit it but none fits the host budget too (`host_bounds`: the least host
+budget that works with this device budget, and the least device budget that works with
+this host budget, each with its configuration). A search run with the expert caches and
+again without joins its two searches' bounds (`HostBounds.joined`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import attrs
 
 from offload.errors import PlanError
 from offload.pure.config import OffloadConfig
@@ -13,21 +17,68 @@ from offload.pure.fit.host import HostTier
 from offload.pure.fit.table import LayerSet, Table, buffer_bytes, expand
 from offload.pure.units import format_bytes
 
-__all__ = ["host_refusal"]
+__all__ = ["HostBounds", "Refusal", "host_bounds"]
+
+#: (bytes, a configuration that needs no more).
+Least = tuple[int, OffloadConfig]
 
 
-def host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
-                  host: HostTier) -> PlanError:
-    """The error when configurations fit the device budget but none fits the host budget
-    too: the least host budget that works with this device budget, and the least device
-    budget that works with this host budget, each with a configuration that meets it."""
+def _less(a: Least | None, b: Least | None) -> Least | None:
+    return b if a is None or (b is not None and b[0] < a[0]) else a
+
+
+@attrs.frozen(kw_only=True)
+class HostBounds:
+    """Within a device and a host budget: the least host memory of any configuration that
+    fits the device budget (None: none fits it), and the fewest device bytes of any whose
+    host memory can meet the host budget."""
+
+    budget: int
+    host_budget: int
+    least_host: Least | None
+    least_device: Least
+
+    def joined(self, other: HostBounds) -> HostBounds:
+        """The bounds over both searches' configurations."""
+        least_device = _less(self.least_device, other.least_device)
+        return attrs.evolve(self, least_host=_less(self.least_host, other.least_host),
+                            least_device=least_device if least_device is not None else self.least_device)
+
+    def refusal(self) -> Refusal:
+        """The error naming both bounds (some configuration fits the device budget)."""
+        budget, host_budget = self.budget, self.host_budget
+        least_host = self.least_host or (host_budget, OffloadConfig(backend="none"))  # not reached: see above
+        least_device = self.least_device
+        return Refusal(
+            f"no configuration fits both the device budget of {format_bytes(budget)} ({budget} bytes) and the host "
+            f"budget of {format_bytes(host_budget)} ({host_budget} bytes): with this device budget the least host "
+            f"budget is {format_bytes(least_host[0])} ({least_host[0]} bytes, {describe(least_host[1], joiner=' with ')})"
+            f"; with this host budget the least device budget is {format_bytes(least_device[0])} ({least_device[0]} "
+            f"bytes, {describe(least_device[1], joiner=' with ')})",
+            name="host_budget_bytes", value=host_budget, bounds=self)
+
+
+class Refusal(PlanError):
+    """`fit` found no configuration within its budgets; with a host budget, the bounds of
+    its search (`HostBounds`), which a search of other configurations may join."""
+
+    def __init__(self, message: str, *, name: str, value: object, bounds: HostBounds | None = None) -> None:
+        super().__init__(message, name=name, value=value)
+        self.bounds = bounds
+
+
+def host_bounds(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | None, budget: int, max_step: int,
+                host: HostTier) -> HostBounds:
+    """The bounds of the search of `table`'s configurations (`HostBounds`): the least host
+    budget that works with this device budget, and the least device budget that works with
+    this host budget, each with a configuration that meets it."""
     host_budget = host.host_budget_bytes
     # With this device budget: the least host memory of any configuration that fits it.
-    least_host: tuple[int, OffloadConfig] | None = (uva.host_bytes, uva.config) if uva is not None else None
+    least_host: Least | None = (uva.host_bytes, uva.config) if uva is not None else None
     # With this host budget: the fewest device bytes of any configuration whose host memory
     # can meet it (backend none takes no host memory at all).
     none = none_candidate(table)
-    least_device: tuple[int, OffloadConfig] = (none.device_bytes, none.config)
+    least_device: Least = (none.device_bytes, none.config)
     if uva is not None:
         # The longest UVA prefix within the host budget takes the fewest device bytes.
         host_so_far, longest = 0, 0
@@ -55,12 +106,4 @@ def host_refusal(table: Table, sets: Sequence[LayerSet], uva: FitCandidate | Non
                 least_host = (least, config)
             if least <= host_budget and device < least_device[0]:
                 least_device = (device, config)
-    if least_host is None:  # not reached: called only when some configuration fits the device
-        least_host = (host_budget, none.config)
-    return PlanError(
-        f"no configuration fits both the device budget of {format_bytes(budget)} ({budget} bytes) and the host "
-        f"budget of {format_bytes(host_budget)} ({host_budget} bytes): with this device budget the least host "
-        f"budget is {format_bytes(least_host[0])} ({least_host[0]} bytes, {describe(least_host[1], joiner=' with ')});"
-        f" with this host budget the least device budget is {format_bytes(least_device[0])} ({least_device[0]} "
-        f"bytes, {describe(least_device[1], joiner=' with ')})",
-        name="host_budget_bytes", value=host_budget)
+    return HostBounds(budget=budget, host_budget=host_budget, least_host=least_host, least_device=least_device)

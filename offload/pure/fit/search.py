@@ -67,7 +67,7 @@ from offload.pure.fit.candidates import (
 from offload.pure.fit.estimate import StepEstimate, Workload, estimate
 from offload.pure.fit.host import HostTier
 from offload.pure.fit.profiles import DeviceProfile, planning_env
-from offload.pure.fit.refusal import host_refusal
+from offload.pure.fit.refusal import Refusal, host_bounds
 from offload.pure.fit.table import Table, buffer_bytes, build_table, expand, layer_sets
 from offload.pure.plan.make import make_plan
 from offload.pure.plan.plan import OffloadPlan
@@ -223,10 +223,11 @@ def fit(
     except PlanError as exc:
         if cached is not None:
             return cached
-        # Neither fits: a refusal for the host budget says more (some configuration fits
-        # the device) than one for the device budget.
-        if refused is not None and refused.name == "host_budget_bytes" and exc.name != "host_budget_bytes":
-            raise refused from None
+        # Neither fits. Where some configuration of either fits the device, the refusal
+        # is for the host budget, naming the least budgets over both searches.
+        if isinstance(refused, Refusal) and isinstance(exc, Refusal) and refused.bounds is not None \
+                and exc.bounds is not None and "host_budget_bytes" in (refused.name, exc.name):
+            raise refused.bounds.joined(exc.bounds).refusal() from None
         raise
     return cached if cached is not None and compare(cached.chosen, whole.chosen) <= 0 else whole
 
@@ -295,12 +296,13 @@ def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Wo
         fits_device = fits_device or fitted
         if best is not None:
             offer(best)
-    if not top and host is not None and fits_device:
-        raise host_refusal(table, sets, uva, budget, max_step, host)
+    bounds = host_bounds(table, sets, uva, budget, max_step, host) if not top and host is not None else None
+    if bounds is not None and fits_device:
+        raise bounds.refusal()
     if not top:
         lean = min(leanest, key=lambda c: (c.device_bytes, BACKEND_ORDER[c.config.backend]))
         over = lean.device_bytes - budget
-        raise PlanError(
+        raise Refusal(
             f"no configuration fits the device budget of {format_bytes(budget)} ({budget} bytes): the leanest, "
             f"{describe(lean.config, joiner=' with ')}, needs {format_bytes(lean.device_bytes)} "
             f"({lean.device_bytes} bytes = "
@@ -308,6 +310,7 @@ def _fit(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workload: Wo
             f"outside {lean.outside_bytes} + reserve {lean.reserve_bytes}), {over} bytes ({format_bytes(over)}) more than the budget",
             name="device_budget_bytes",
             value=budget,
+            bounds=bounds,
         )
     return _result(spec, penv, table, budget, top[0], tuple(top[1:]),
                    simulated=simulated + (uva is not None), considered=1 + (uva is not None) + len(sets), host=host,

@@ -26,7 +26,7 @@ from offload.pure.fit.profiles import planning_env
 from offload.pure.fit.search import fit
 from offload.pure.plan.plan import Backend, OffloadPlan
 from tests.pure.fit.test_search import ENVS, MAX_STEP, SPECS, TOKENS, TOY, device_bytes
-from tests.pure.fit.test_search_experts import at_call, moe_specs
+from tests.pure.fit.test_search_experts import NO_UVA, at_call, moe_spec, moe_specs
 
 #: A disk as slow as the toy link (1000 bytes/s), so that reads matter beside copies.
 DISK_GBPS = 1e-6
@@ -49,6 +49,18 @@ def weighty_specs(draw: st.DrawFn, min_layers: int = 1) -> ModelSpec:
     if draw(st.booleans()):  # identical layers, as in most real stacks
         layers = [LayerSpec(index=i, name=f"model.layers.{i}", params=layers[0].params) for i in range(len(layers))]
     return ModelSpec(layers=tuple(layers))
+
+
+@st.composite
+def weighty_moe_specs(draw: st.DrawFn) -> ModelSpec:
+    """3 to 5 layers (half the time identical), most of 2 to 6 experts of 12 KiB (and an attention weight of up to
+    16 KiB), so that disk tiers fit host budgets; a top-k of 1 or 2, or none."""
+    count = draw(st.integers(3, 5))
+    if draw(st.booleans()):  # identical layers, as in most real stacks
+        layers = [(draw(st.integers(1, 4096)), draw(st.integers(2, 6)))] * count
+    else:
+        layers = [(draw(st.integers(1, 4096)), draw(st.one_of(st.none(), st.integers(2, 6)))) for _ in range(count)]
+    return moe_spec(layers, hidden=64, ffn=16, top_k=draw(st.one_of(st.none(), st.integers(1, 2))))
 
 
 def tiered(plan: OffloadPlan, host_budget: int, tokens: int, read_ahead: int,
@@ -115,12 +127,8 @@ def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
                   read_ahead: int, expert_slots: int | None = None, routing: RoutingTrace | None = None) -> None:
     """Both budgets (fractions of the model's bytes) against the oracle (the module
     docstring); a MoE model's caches at `expert_slots` slots in the oracle (1: what the
-    search costs them at before it sizes the winner's), over `routing` where given.
-
-    Where the search runs with the caches and streaming whole (a trace, or top-k bounds),
-    a refusal names the budgets of one of the two: they work, but the other may work
-    with less."""
-    both = routing is not None or at_call(spec)
+    search costs them at before it sizes the winner's), over `routing` where given (the
+    oracle then takes streaming whole too, as the search does: `oracle`)."""
     # Over a trace the winner keeps the oracle's C (its step at another C is another);
     # without one its caches are sized, which changes no step.
     slots = expert_slots if routing is not None else None
@@ -140,9 +148,9 @@ def check_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float,
         assert least_host > host_budget and least_device > device_budget
         assert oracle(spec, env, tokens, device_budget, least_host, read_ahead, expert_slots, routing)
         assert oracle(spec, env, tokens, least_device, host_budget, read_ahead, expert_slots, routing)
-        if not both:  # and they are the least: a byte less meets neither
-            assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead, expert_slots)
-            assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead, expert_slots)
+        # And they are the least: a byte less meets neither.
+        assert not oracle(spec, env, tokens, device_budget, least_host - 1, read_ahead, expert_slots, routing)
+        assert not oracle(spec, env, tokens, least_device - 1, host_budget, read_ahead, expert_slots, routing)
         run(spec, env, tokens, device_budget, least_host, read_ahead, routing, slots)
         run(spec, env, tokens, least_device, host_budget, read_ahead, routing, slots)
         return
@@ -184,8 +192,8 @@ def test_budgets_where_disk_tiers_are_the_answer(spec: ModelSpec, env: EnvSnapsh
 
 
 @settings(max_examples=80, deadline=None)
-@given(spec=moe_specs(), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1), host=st.floats(0.0, 1.1),
-       read_ahead=st.sampled_from([1, 2]))
+@given(spec=st.one_of(moe_specs(), weighty_moe_specs()), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1),
+       host=st.floats(0.0, 1.1), read_ahead=st.sampled_from([1, 2]))
 def test_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(spec: ModelSpec, env: EnvSnapshot, tokens: int,
                                                                    device: float, host: float,
                                                                    read_ahead: int) -> None:
@@ -195,9 +203,9 @@ def test_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(spec: ModelSp
 
 
 @settings(max_examples=60, deadline=None)
-@given(spec=moe_specs(), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1), host=st.floats(0.0, 1.1),
-       read_ahead=st.sampled_from([1, 2]), steps=st.integers(1, 6), seed=st.integers(0, 2**31),
-       batch=st.integers(1, 3))
+@given(spec=st.one_of(moe_specs(), weighty_moe_specs()), env=ENVS, tokens=TOKENS, device=st.floats(0.0, 1.1),
+       host=st.floats(0.0, 1.1), read_ahead=st.sampled_from([1, 2]), steps=st.integers(1, 6),
+       seed=st.integers(0, 2**31), batch=st.integers(1, 3))
 def test_over_a_routing_trace_a_moe_model_gets_the_fastest_plan_that_meets_both_budgets(
         spec: ModelSpec, env: EnvSnapshot, tokens: int, device: float, host: float, read_ahead: int, steps: int,
         seed: int, batch: int) -> None:
@@ -222,3 +230,16 @@ def test_a_host_budget_that_holds_everything_changes_nothing(spec: ModelSpec, en
     assert roomy.tier is None
     assert roomy.fit.chosen == plain.chosen
     assert roomy.fit.plan == plain.plan
+
+
+@settings(max_examples=80, deadline=None)
+@given(spec=weighty_moe_specs(), tokens=st.integers(1, 8), device=st.floats(0.3, 0.7), host=st.floats(0.2, 0.95),
+       read_ahead=st.sampled_from([1, 2]), traced=st.booleans(), seed=st.integers(0, 2**31))
+def test_budgets_where_disk_tiers_hold_a_moe_model(spec: ModelSpec, tokens: int, device: float, host: float,
+                                                   read_ahead: int, traced: bool, seed: int) -> None:
+    """UVA off, host budgets below the offloaded bytes: the chosen plans run with disk
+    tiers, whose layers' misses are read from the files at their call (over a trace, or
+    the top-k bound), as `estimate_with_tier` costs them."""
+    trace = zipf_trace(spec.experts, steps=4, top_k=min(2, min(g.num_experts for g in spec.experts)),
+                       tokens=tokens, seed=seed) if traced and spec.experts else None
+    check_budgets(spec, NO_UVA, tokens, device, host, read_ahead, expert_slots=1, routing=trace)
