@@ -48,10 +48,15 @@ def _layer_cells(layer: LayerEstimate, experts: bool) -> list[str]:
 
 
 def _expert_lines(step: StepEstimate) -> list[str]:
-    """What the routing trace makes the expert caches copy (nothing without a trace)."""
+    """What the routing trace makes the expert caches copy; without one, their worst case
+    (nothing where they copy nothing at their calls)."""
     rate = step.expert_hit_rate
     if rate is None:
-        return []
+        if not step.expert_bytes:
+            return []
+        return [f"experts          = {format_bytes(step.expert_bytes)} ({step.expert_bytes} bytes) of misses per step "
+                f"at most, the worst case without a routing trace (as many experts missed at each call as its "
+                f"tokens can route); the layers wait {format_seconds(step.expert_seconds)} for them"]
     belady = f", Belady {step.belady_hit_rate * 100:.1f}%" if step.belady_hit_rate is not None else ""
     return [f"experts          = {format_bytes(step.expert_bytes)} ({step.expert_bytes} bytes) of misses per step, "
             f"hit rate {rate * 100:.1f}%{belady}, over {_count(step.routing_steps, 'step')} of the routing trace; "

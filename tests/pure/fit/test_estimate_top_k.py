@@ -21,8 +21,10 @@ from offload.pure.experts.profile import trace_profile
 from offload.pure.experts.replay import zipf_trace
 from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import Workload, estimate
+from offload.pure.fit.render import render_estimate
 from offload.pure.fit.search import fit
 from offload.pure.spec.values import ModelSpec
+from offload.pure.units import format_bytes
 from tests.pure.fit.test_estimate import ENV, TOY
 from tests.pure.fit.test_search_experts import NO_UVA, moe_spec
 
@@ -137,3 +139,11 @@ def test_without_a_trace_fit_keeps_the_caches_for_few_tokens_and_streams_whole_f
     cached = make_plan(spec, attrs.evolve(many.chosen.config, expert_cache=True), many.env)
     assert cached.experts
     assert many.chosen.step_seconds < estimate(cached, TOY, Workload(tokens_per_step=64)).step_seconds
+
+
+def test_the_rendering_says_the_bound_is_the_worst_case() -> None:
+    step = estimate(_plan(), TOY, Workload())
+    text = render_estimate(step)
+    assert f"experts          = {format_bytes(4 * 2 * B)} ({4 * 2 * B} bytes) of misses per step at most" in text
+    assert "the worst case without a routing trace" in text and "hit rate" not in text
+    assert "experts ms" in text
