@@ -53,9 +53,11 @@ def weighty_specs(draw: st.DrawFn, min_layers: int = 1) -> ModelSpec:
 
 @st.composite
 def weighty_moe_specs(draw: st.DrawFn) -> ModelSpec:
-    """3 to 5 layers (half the time identical), most of 2 to 6 experts of 12 KiB (and an attention weight of up to
-    16 KiB), so that disk tiers fit host budgets; a top-k of 1 or 2, or none."""
+    """3 to 5 layers (half the time identical), most of 2 to 6 experts of 12 KiB (and an
+    attention weight of up to 16 KiB), so that disk tiers fit host budgets; a top-k of 1
+    or 2, or none."""
     count = draw(st.integers(3, 5))
+    layers: list[tuple[int, int | None]]
     if draw(st.booleans()):  # identical layers, as in most real stacks
         layers = [(draw(st.integers(1, 4096)), draw(st.integers(2, 6)))] * count
     else:
