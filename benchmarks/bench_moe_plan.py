@@ -7,9 +7,8 @@ memory taken), fitted by the pure planner to a ``--budget-gib`` device budget (2
 
 - ``bound``: without a routing trace, the top-k bound (each module's top-k read off the
   layer, as `find_experts` reads it: at most min(E, T x top-k) misses per call);
-- ``no top-k``: without a trace, the module's top-k left out (the older worst case: every
-  expert of a cache copied at each call of a layer alone in its slot, with its layer's
-  copy otherwise);
+- ``no top-k``: without a trace, the module's top-k left out (every expert may be routed,
+  and miss, at each call);
 - ``zipf``: over a Zipf (``--zipf`` s = 1) trace of ``--trace-steps`` (200) steps of that
   many tokens, top-8 (`zipf_trace`).
 

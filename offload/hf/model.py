@@ -93,6 +93,11 @@ class BudgetExperts:
         return attrs.evolve(config, expert_cache=self.expert_cache, routing_profile=self.routing_profile,
                             expert_slots=config.expert_slots if self.expert_slots is None else self.expert_slots)
 
+    def holding(self, chosen: OffloadConfig) -> OffloadConfig:
+        """`fit`'s chosen configuration (which took the other options, and may have left
+        the caches out) with the routing profile, where it has caches to hold it."""
+        return attrs.evolve(chosen, routing_profile=self.routing_profile if chosen.expert_cache else None)
+
 
 NO_EXPERT_OPTIONS = BudgetExperts()
 
@@ -163,10 +168,10 @@ def plan_model(spec: ModelSpec, env: EnvSnapshot, *, config: OffloadConfig | Non
         if experts.routing_profile is None:
             return result.plan
         # The profile's held experts take slots the fit counted: the same device bytes.
-        return make_plan(spec, experts.on(result.chosen.config), planning_env(env, chosen))
+        return make_plan(spec, experts.holding(result.chosen.config), planning_env(env, chosen))
     # Planned for the profile's device from a machine without one: the same configuration,
     # planned for this machine, so that the mechanics run here (saving nothing).
-    return make_plan(spec, experts.on(result.chosen.config), env)
+    return make_plan(spec, experts.holding(result.chosen.config), env)
 
 
 def _tier_search(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, disk: DiskRequest,

@@ -3,6 +3,7 @@ device budget counting the weights outside the layers as resident."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from offload import ConfigError, EnvSnapshot, OffloadConfig, Platform, describe_layers, make_plan
@@ -69,3 +70,25 @@ def test_a_budget_on_a_machine_without_an_accelerator_runs_the_fit_configuration
     chosen = fit(spec, ON_CPU, PROFILES["h200-pcie5"], Workload(), budget, outside_bytes=outside).chosen.config
     assert plan == make_plan(spec, chosen, ON_CPU)
     assert plan.offloaded_params
+
+
+@pytest.mark.parametrize("env", [ON_GPU, ON_CPU], ids=["gpu", "cpu"])
+def test_a_budget_plans_what_fit_chose_even_when_it_left_the_expert_caches_out(env: EnvSnapshot) -> None:
+    """Four MoE layers where streaming them whole is what fits: the plan that runs has no
+    caches, as fit chose (the expert options were laid over its choice, turning the caches
+    back on, twice the budget's device bytes)."""
+    from offload.hf.model import BudgetExperts
+    from offload.pure.experts.profile import trace_profile
+    from offload.pure.experts.replay import zipf_trace
+    from tests.pure.fit.test_search import TOY
+    from tests.pure.fit.test_search_experts import NO_UVA, moe_spec
+
+    spec = moe_spec([(16, 4)] * 4, hidden=8, ffn=4, top_k=1)
+    chosen = fit(spec, NO_UVA, TOY, Workload(), 1600)
+    assert chosen.chosen.config.backend == "prefetch" and not chosen.chosen.config.expert_cache
+    profile = trace_profile(zipf_trace(spec.experts, steps=4, top_k=1))
+    for experts in (BudgetExperts(), BudgetExperts(routing_profile=profile)):
+        plan = plan_model(spec, attrs.evolve(env, flags=NO_UVA.flags), config=None, device_budget_bytes=1600,
+                          outside_bytes=0, profile=TOY, experts=experts)
+        assert plan.config.expert_cache is False and plan.experts == ()
+        assert plan.config.group_size == chosen.chosen.config.group_size

@@ -3,17 +3,15 @@ simulation of `offload.pure.fit.estimate` with one disk reading the disk layers 
 staging buffers, each read after the copy out of its buffer's previous occupant, and the
 host thread waiting for a read before it issues the copy that reads the buffer.
 
-With a routing trace, or without one where every cache's module says its top-k (the worst
-case `offload.pure.experts.expected.bounded_loads` bounds), an expert cache's experts are
-not in the staging ring's reads (the ring never reads them, `DiskParam.in_place`): the
-cache reads the experts it misses from the files at the module's call, and the layer waits
-for those reads."""
+An expert cache's experts are not in the staging ring's reads (the ring never reads them,
+`DiskParam.in_place`): the cache reads the experts it misses (over a routing trace, or
+their worst case, `offload.pure.experts.expected.bounded_loads`) from the files at the
+module's call, and the layer waits for those reads."""
 
 from __future__ import annotations
 
 from offload.errors import PlanError
 from offload.pure.disk.tier import DiskTierPlan, first_reads, next_occupants
-from offload.pure.experts.expected import bounded
 from offload.pure.experts.values import RoutingTrace
 from offload.pure.fit.estimate import DiskReads, StepEstimate, Workload, estimate
 from offload.pure.fit.profiles import DeviceProfile
@@ -61,5 +59,4 @@ def estimate_with_tier(plan: OffloadPlan, tier: DiskTierPlan, profile: DevicePro
     Raises:
         PlanError: `tier` is not the plan's; `routing` as `estimate` says.
     """
-    in_place = routing is not None or bounded(plan.experts)
-    return estimate(plan, profile, workload, disk=disk_reads(plan, tier, in_place=in_place), routing=routing)
+    return estimate(plan, profile, workload, disk=disk_reads(plan, tier, in_place=True), routing=routing)

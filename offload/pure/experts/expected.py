@@ -7,9 +7,9 @@ name experts modules the plan gives no cache (layers kept resident, or streamed 
 they are left out, as their experts are not the caches' to copy. Every cache of the plan
 must be in the trace, or its layer's step would be guessed.
 
-Without a trace, where every cache's module says its top-k (`ExpertGroup.top_k`), the worst
-case a step can make its caches copy is bounded (`bounded_loads`): a call over T tokens
-routes at most min(E, T x top_k) experts, and at most E minus its held experts miss.
+Without a trace, the worst case a step can make its caches copy is bounded (`bounded_loads`):
+a call over T tokens routes at most min(E, T x top_k) experts (`ExpertGroup.top_k`; all E
+where the module does not say its top-k), and at most E minus its held experts miss.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from offload.errors import PlanError
 from offload.pure.experts.replay import Replay, belady, replay
 from offload.pure.experts.values import ExpertCachePlan, RoutingTrace
 
-__all__ = ["ExpectedLoads", "LayerLoad", "bounded", "bounded_loads", "expected_loads", "restrict_trace"]
+__all__ = ["ExpectedLoads", "LayerLoad", "bounded_loads", "expected_loads", "restrict_trace"]
 
 
 @attrs.frozen(kw_only=True)
@@ -131,31 +131,24 @@ def expected_loads(plans: tuple[ExpertCachePlan, ...], trace: RoutingTrace,
     return ExpectedLoads(layers=layers, steps=steps, replayed=replayed, optimum=belady(plans, cut))
 
 
-def bounded(plans: tuple[ExpertCachePlan, ...]) -> bool:
-    """Whether `plans` are caches (one or more) whose modules all say their top-k: what
-    `bounded_loads` bounds."""
-    return bool(plans) and all(plan.group.top_k is not None for plan in plans)
+def bounded_loads(plans: tuple[ExpertCachePlan, ...], tokens: Sequence[int]) -> tuple[LayerLoad, ...]:
+    """The most each layer's expert caches can copy in one step.
 
-
-def bounded_loads(plans: tuple[ExpertCachePlan, ...], tokens: Sequence[int]) -> tuple[LayerLoad, ...] | None:
-    """The most each layer's expert caches can copy in one step, where every cache's module
-    says its top-k; None where one does not (or there are no caches).
-
-    A call over T tokens routes at most R = min(E, T x top_k) experts; the worst case is
-    that as many of them as can miss do: min(E - held, R) misses, the rest of the R hits
-    (held experts). The misses are the bytes that cross the link; a hit's copy from its slot
-    costs far less.
+    A call over T tokens routes at most R = min(E, T x top_k) experts (R = E where the
+    module does not say its top-k: every expert may be routed); the worst case is that as
+    many of them as can miss do: min(E - held, R) misses, the rest of the R hits (held
+    experts). The misses are the bytes that cross the link; a hit's copy from its slot
+    costs far less. (A module of `Routing.CALLS` is assumed to call only the experts it
+    routes tokens to.)
 
     Args:
         plans: the plan's expert caches (`OffloadPlan.experts`).
         tokens: tokens per step of each layer (`Workload.tokens_by_layer`), indexed by layer.
     """
-    if not bounded(plans):
-        return None
     by_layer: dict[int, list[float]] = {}
     for plan in plans:
         group = plan.group
-        top_k = group.top_k or group.num_experts  # never 0 or None here: checked above
+        top_k = group.top_k or group.num_experts
         routed = min(group.num_experts, tokens[plan.layer] * top_k)
         misses = min(group.num_experts - len(plan.held), routed)
         row = by_layer.setdefault(plan.layer, [0.0, 0.0, 0.0, 0.0])

@@ -15,7 +15,7 @@ import attrs
 from offload.pure.config import OffloadConfig
 from offload.pure.fit.estimate import DiskReads, simulate_prefetch
 from offload.pure.fit.host import HostTier
-from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes, kept_layers
+from offload.pure.fit.table import Expanded, LayerSet, Table, buffer_bytes, expand, kept_bytes
 from offload.pure.plan.schedule import PrefetchSchedule, schedule_prefetch
 from offload.pure.units import format_bytes
 
@@ -111,7 +111,8 @@ def _candidate(table: Table, config: OffloadConfig, *, busy: Sequence[float], of
         if schedule is not None and positions else ()
     step = sum(b + s for b, s in zip(busy, stalls, strict=True)) if stalls else sum(busy)
     step += sum(read + link for read, link in at_call.values()) if at_call else 0.0
-    limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s, disk_seconds(disk))
+    reads = disk_seconds(disk) + (sum(read for read, _ in at_call.values()) if at_call else 0.0)
+    limit = max(sum(table.compute), offloaded_bytes / table.profile.pinned_h2d_bytes_per_s, reads)
     return FitCandidate(config=config, step_seconds=step, limit_seconds=limit,
                         resident_bytes=table.resident_bytes - host, buffer_bytes=buffers,
                         transient_bytes=transient, outside_bytes=table.outside, reserve_bytes=table.reserve,
@@ -178,7 +179,7 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
                            expert_slots=table.expert_slots)
     rate = table.copy_rate
     schedule = cached_schedule(len(expanded.positions), depth, expanded.cycles)
-    at_call = bool(table.expert_wait)  # the experts' misses copied (and read) at their call
+    at_call = bool(table.expert_wait)  # expert caches: their misses copied (and read) at their call
     placed = host.place(expanded.positions, schedule, caches=table.expert_cache, at_call=at_call) \
         if host is not None else None
     if host is not None and placed is None:
@@ -186,9 +187,8 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
     # Layers alone in their slot are loaded once: not on the link per step, nor in the limit.
     per_step = sum(expanded.copy_bytes) - kept_bytes(expanded.copy_bytes, expanded.positions, depth, expanded.cycles)
     busy: Sequence[float] = table.compute
-    copy_bytes = list(expanded.copy_bytes)
     calls: dict[int, tuple[float, float]] = {}  # (disk read, link) at each layer's experts' call
-    if at_call:  # a trace or top-k bounds: each offloaded layer waits at its experts' calls
+    if at_call:  # each offloaded layer waits at its experts' calls (over a trace, or the worst case)
         on = set(expanded.positions)
         # for its misses' reads from the files first, on the disk tier
         reads = placed.disk if placed is not None and placed.disk is not None else None
@@ -199,16 +199,9 @@ def prefetch_candidate(table: Table, expanded: Expanded, depth: int, buffers: in
         busy = [c + (w if i in on else 0.0) for i, (c, w) in enumerate(zip(table.compute, table.expert_wait,
                                                                               strict=True))]
         per_step += sum(round(table.expert_moved[i]) for i in expanded.positions)
-    elif table.served_bytes:  # neither: a layer alone in its slot copies every expert at each call
-        whole = {layer: table.served_bytes[layer]
-                 for layer in kept_layers(expanded.positions, depth, expanded.cycles) if table.served_bytes[layer]}
-        calls = {layer: (0.0, served / rate) for layer, served in whole.items()}
-        per_step += sum(whole.values())
-        for layer, served in whole.items():
-            copy_bytes[layer] -= served
     return _candidate(table, config, busy=busy, offloaded_bytes=per_step,
                       host=ls.host_bytes, buffers=buffers,
-                      copy=[copy_bytes[i] / rate for i in expanded.positions],
+                      copy=[expanded.copy_bytes[i] / rate for i in expanded.positions],
                       positions=expanded.positions, schedule=schedule,
                       disk=placed.disk if placed is not None else None,
                       host_bytes=placed.host_bytes if placed is not None else None,

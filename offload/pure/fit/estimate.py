@@ -27,12 +27,10 @@ The model, per layer ``l`` of a step:
   and the layer waits for them (no expert is copied ahead of its call). The misses' copies
   cross the one link: they queue behind every copy issued before them (one copy stream),
   and that wait is the layer's stall. The misses and hits per step are the trace's mean through the plan's policy
-  (`offload.pure.experts.expected`). Without a trace, where every cache's module says its
-  top-k (`ExpertGroup.top_k`), the worst case: at each call over T tokens, as many of the
-  min(E, T x top_k) experts it may route as can miss do (`bounded_loads`), costed as a
-  trace's. Where one does not say, every expert is counted in its layer's prefetch copy
-  (every expert copied every step, the worst case for the bytes), and a layer alone in its
-  slot copies every expert at each call.
+  (`offload.pure.experts.expected`). Without a trace, the worst case: at each call over T
+  tokens, as many of the min(E, T x top_k) experts it may route as can miss do (all E
+  where the module does not say its top-k, `ExpertGroup.top_k`; `bounded_loads`), costed
+  as a trace's.
 
 Passes are simulated with event times until the pass duration repeats (period 1 to 4
 passes), and the steady-state passes are reported, because with circular prefetch the
@@ -122,9 +120,10 @@ def simulate_prefetch(
             thread waits for a read before it issues the read position's copy (that
             wait is the layer's stall, as the executor's `StagingRing.ready` is).
         at_call: per offloaded layer with expert caches, (its misses' disk reads, their
-            copies' seconds on the link) at its experts' call: once the layer has started
-            and read them, the copies queue on the link behind every copy issued before
-            (one copy stream), and the layer waits for them; waiting for the link is stall.
+            copies' seconds on the link) at its experts' call: once the layer has started,
+            the reads queue on the disk behind the reads issued before, then the copies on
+            the link behind every copy issued before (one copy stream), and the layer
+            waits for them; waiting for the disk or the link is stall.
 
     Returns:
         (stall seconds per layer averaged over the steady-state period, passes simulated,
@@ -184,7 +183,11 @@ def simulate_prefetch(
                 pass_waits[i] = ready[i] - now
                 now = ready[i]
             read_first, on_link = calls[i]
-            now += read_first
+            if read_first:  # the misses' reads take the one disk, after the reads issued before
+                if disk_free > now:
+                    pass_waits[i] += disk_free - now
+                    now = disk_free
+                disk_free = now = now + read_first
             if on_link:
                 if link_free > now:
                     pass_waits[i] += link_free - now
@@ -237,7 +240,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
             `offload.executors.experts.record_routing` or drawn by
             `offload.pure.experts.replay.zipf_trace`): the expert caches' copies are its
             mean per step (`LayerEstimate.expert_bytes`). None: the worst case (see the
-            module docstring: bounded by each module's top-k where every one says it).
+            module docstring: bounded by each module's top-k).
 
     Returns:
         The estimate, one `LayerEstimate` per layer index up to the last one with a
@@ -253,16 +256,9 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
     weight = [0] * num_layers
     moved = {placement: [0] * num_layers for placement in (Placement.PREFETCH, Placement.UVA, Placement.ON_DEMAND)}
     loads = None if routing is None else expected_loads(plan.experts, routing, {(p.layer, p.name) for p in plan.params})
-    bound = bounded_loads(plan.experts, workload.tokens_by_layer(plan.stack_ranges, num_layers)) \
-        if loads is None else None
-    per_call = loads.layers if loads is not None else bound
-    # Without either, a cache's experts are counted in its layer's copy, but a layer alone
-    # in its slot keeps only its other weights there (the rows are shared): its cache copies
-    # every expert at every call, the worst case, at its call.
-    kept = {plan.offloaded_layers[i] for i in plan.schedule.kept_positions}
-    served = served_refs(plan.experts) if per_call is not None else \
-        frozenset(ref for ref in served_refs(plan.experts) if ref[0] in kept)
-    at_call = {layer: 0 for layer, _ in served} if per_call is None else {}
+    per_call = loads.layers if loads is not None else \
+        bounded_loads(plan.experts, workload.tokens_by_layer(plan.stack_ranges, num_layers))
+    served = served_refs(plan.experts)  # copied at their calls, never with their layers
     for p in plan.params:
         numels[p.layer] += math.prod(p.shape)
         if p.tied_to is not None and p.tied_to[0] == p.layer:
@@ -272,8 +268,6 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
             continue
         if (p.layer, p.name) not in served:
             moved[p.placement][p.layer] += p.nbytes
-        elif per_call is None:
-            at_call[p.layer] += p.nbytes
     compute = layer_compute_seconds(numels, weight, profile, workload, plan.stack_ranges)
     return _from_loads(
         compute=compute,
@@ -286,8 +280,7 @@ def estimate(plan: OffloadPlan, profile: DeviceProfile, workload: Workload, *,
         profile=profile,
         workload=workload,
         disk=disk,
-        load_of={load.layer: load for load in per_call} if per_call is not None else
-        {layer: LayerLoad(layer=layer, miss_bytes=n, hit_bytes=0.0, routed=0.0, hits=0.0) for layer, n in at_call.items()},
+        load_of={load.layer: load for load in per_call},
         experts=loads,
     )
 

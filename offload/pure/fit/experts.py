@@ -2,8 +2,7 @@
 layer's caches take of the device at the search's C, which buffer keys and bytes they
 serve (`cache_costs`), and, with a routing trace, what they make the layer wait at its
 experts' calls per step (`expert_waits`), as `estimate(..., routing=)` costs a plan's;
-without one, where every module says its top-k, the worst case of those waits
-(`bounded_waits`), as `estimate` costs it."""
+without one, the worst case of those waits (`bounded_waits`), as `estimate` costs it."""
 
 from __future__ import annotations
 
@@ -85,24 +84,22 @@ def expert_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, r
 
 
 def bounded_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, tokens: tuple[int, ...],
-                  profile: DeviceProfile) -> Waits | None:
+                  profile: DeviceProfile) -> Waits:
     """`expert_waits` of the worst case (`offload.pure.experts.expected.bounded_loads`) at
-    `tokens` per step of each layer; None where a module of `groups` does not say its top-k."""
+    `tokens` per step of each layer."""
     loads = bounded_loads(tuple(ExpertCachePlan(group=g, slots=slots) for g in groups), tokens)
-    return None if loads is None else _waits(len(spec.layers), loads, profile)
+    return _waits(len(spec.layers), loads, profile)
 
 
 def cache_waits(spec: ModelSpec, groups: tuple[ExpertGroup, ...], slots: int, routing: RoutingTrace | None,
                 workload: Workload, profile: DeviceProfile) -> Waits:
-    """The waits the table costs: over `routing` (`expert_waits`), else their top-k bound
-    at `workload`'s tokens (`bounded_waits`); empty where neither applies (no `groups`, or
-    no trace and a module that does not say its top-k)."""
+    """The waits the table costs: over `routing` (`expert_waits`), else their worst case at
+    `workload`'s tokens (`bounded_waits`); empty without `groups`."""
     if not groups:
         return (), ()
     if routing is not None:
         return expert_waits(spec, groups, slots, routing, profile)
-    tokens = workload.tokens_by_layer(spec.stack_ranges, len(spec.layers))
-    return bounded_waits(spec, groups, slots, tokens, profile) or ((), ())
+    return bounded_waits(spec, groups, slots, workload.tokens_by_layer(spec.stack_ranges, len(spec.layers)), profile)
 
 
 def _waits(num_layers: int, loads: Iterable[LayerLoad], profile: DeviceProfile) -> Waits:

@@ -156,12 +156,12 @@ def fit(
     and hits the trace gives its caches at the search's C (after reading the misses from
     the files, for a layer on the disk tier), and the winner, once its caches are sized, is
     estimated again at its own C (its figures, not the runners-up's, then count the larger
-    caches). Without it, where every experts module says its top-k, the same waits for
-    their worst case (`offload.pure.experts.expected.bounded_loads`), as `estimate` costs
-    it; where one does not, as if every expert were copied with its layer. Over a trace or
-    those bounds the search is run with the caches and without (MoE layers streamed whole,
-    their experts' copy overlapping the layers before them), and the faster wins, with its
-    runners-up; `expert_cache=False` searches without only.
+    caches). Without it, the same waits for their worst case (at most min(E, T x top_k)
+    misses a call, all E where a module does not say its top-k:
+    `offload.pure.experts.expected.bounded_loads`), as `estimate` costs it. The search is
+    run with the caches and without (MoE layers streamed whole, their experts' copy
+    overlapping the layers before them), and the faster wins, with its runners-up;
+    `expert_cache=False` searches without only.
 
     Args:
         spec: the model.
@@ -206,27 +206,24 @@ def fit(
                                reserve_bytes=reserve_bytes, param_filter=param_filter,
                                max_prefetch_step=max_prefetch_step, runners_up=runners_up, host=host,
                                expert_slots=expert_slots, routing=routing)
-    at_call = routing is not None or all(group.top_k is not None for group in spec.experts)
-    if not at_call or not expert_cache or not spec.experts:
+    if not expert_cache or not spec.experts:
         return search(expert_cache=expert_cache)
     # A layer waits for its misses at its experts' call, where streamed whole its experts'
     # copy overlaps the layers before it: either may be faster.
-    refused: PlanError | None = None
+    refused: Refusal | None = None
     try:
         cached: FitResult | None = search(expert_cache=True)
-    except PlanError as exc:
-        if exc.name == "routing":
-            raise
-        cached, refused = None, exc  # the caches' device bytes do not fit; streaming whole may
+    except Refusal as exc:
+        cached, refused = None, exc  # nothing with the caches fits the budgets; streaming whole may
     try:
-        whole = search(expert_cache=False)
-    except PlanError as exc:
+        whole = search(expert_cache=False, expert_slots=None)  # no caches, no C
+    except Refusal as exc:
         if cached is not None:
             return cached
         # Neither fits. Where some configuration of either fits the device, the refusal
         # is for the host budget, naming the least budgets over both searches.
-        if isinstance(refused, Refusal) and isinstance(exc, Refusal) and refused.bounds is not None \
-                and exc.bounds is not None and "host_budget_bytes" in (refused.name, exc.name):
+        if refused is not None and refused.bounds is not None and exc.bounds is not None \
+                and "host_budget_bytes" in (refused.name, exc.name):
             raise refused.bounds.joined(exc.bounds).refusal() from None
         raise
     return cached if cached is not None and compare(cached.chosen, whole.chosen) <= 0 else whole

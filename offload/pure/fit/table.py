@@ -16,8 +16,8 @@ C (the user's `expert_slots`, or one slot each: `fit` sizes the winner's afterwa
 for all slots (`BufferPlan.shared`), counted once (`Expanded.rows_bytes`). Given a routing
 trace, a layer's experts are not in its copy: at its experts' call it waits for the misses
 and hits the trace gives its caches at the search's C (`expert_wait`), as `estimate(...,
-routing=)` costs them; without one, where every module says its top-k, for their worst
-case (`offload.pure.fit.experts.bounded_waits`), as `estimate` costs it.
+routing=)` costs them; without one, for their worst case
+(`offload.pure.fit.experts.bounded_waits`), as `estimate` costs it.
 
 A model of several layer stacks (`ModelSpec.stacks`) is scheduled as one cycle per stack
 with slots of its own (`offload.pure.plan.schedule`): its slots, the layers alone in one,
@@ -153,8 +153,7 @@ def build_table(spec: ModelSpec, env: EnvSnapshot, profile: DeviceProfile, workl
                 expert_slots: int | None = None, routing: RoutingTrace | None = None) -> Table:
     """Group storages and decide eligibility exactly as `make_plan` does; the expert caches
     are costed at `expert_slots` slots each, or one where it is None, and with `routing`
-    by the trace, without it by the top-k bound where every module says its top-k
-    (`offload.pure.fit.experts.cache_waits`).
+    by the trace, without it by their worst case (`offload.pure.fit.experts.cache_waits`).
 
     Raises:
         PlanError: `routing` lacks an experts module that may be cached, names one the model
@@ -307,6 +306,7 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
     prefix_bytes = _prefix_sums(table.layer_bytes)
     prefix_copied = _prefix_sums(table.copied_bytes)
     prefix_wait = list(itertools.accumulate(table.expert_wait or [0.0] * num, initial=0.0))
+    prefix_missed = list(itertools.accumulate(table.expert_moved or [0.0] * num, initial=0.0))
     prefix_has = _prefix_sums(table.layer_has)
     prefix_cache = _prefix_sums(table.cache_bytes or [0] * num)
     signatures: dict[tuple[tuple[Key, int], ...], list[int]] = {}
@@ -344,6 +344,7 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
             host = sum(prefix_bytes[b] - prefix_bytes[a] for a, b in intervals)
             copied = sum(prefix_copied[b] - prefix_copied[a] for a, b in intervals)
             waits = sum(prefix_wait[b] - prefix_wait[a] for a, b in intervals)
+            missed = sum(prefix_missed[b] - prefix_missed[a] for a, b in intervals) / rate  # waited for, on the link
             if len(table.stack_ranges) > 1:
                 # One cycle per stack, each of which may leave some alone in a slot: at most
                 # what the deepest depth leaves in each (a bound, as `_most_kept` gives).
@@ -357,7 +358,7 @@ def layer_sets(table: Table, max_step: int, budget: int) -> list[LayerSet]:
                        for key, nbytes in sig}
             buffers = sum(present.values()) + sum(prefix_cache[b] - prefix_cache[a] for a, b in intervals)
             out.append(LayerSet(group_size=g, num_in_group=k, intervals=intervals, host_bytes=host,
-                                bound_seconds=max(compute + waits, copied / rate),
+                                bound_seconds=max(compute + waits + missed, copied / rate + missed),
                                 min_device_bytes=table.resident_bytes - host + buffers + table.fixed_bytes))
     return out
 

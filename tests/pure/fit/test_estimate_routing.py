@@ -1,9 +1,9 @@
 """`estimate(..., routing=)`: a routing trace replaces the worst case for MoE layers.
 
-Without a trace an expert cache's experts are counted in their layer's prefetch copy, every
-expert every step. With one, they leave it: the layer waits at its experts' call for the
-misses (from host memory, and from disk on the disk tier) and for the hits' device copies,
-by the trace's mean per step. The numbers below are worked by hand from the trace: two
+An expert cache's experts are never in their layer's prefetch copy: the layer waits at its
+experts' call for the misses (from host memory, and from disk on the disk tier) and for the
+hits' device copies, by the trace's mean per step; without a trace, for their worst case
+(every expert, where no top-k is known). The numbers below are worked by hand from the trace: two
 layers of 4 experts of 96 bytes each, 2 slots per cache, the default policy (LFU).
 
 Layer 0 routes (0, 1) four times: 2 misses, then 6 hits. Layer 1 routes one expert a step,
@@ -67,9 +67,10 @@ def test_the_trace_takes_the_experts_out_of_the_copies_and_waits_for_its_misses_
     rate = step.copy_bytes_per_s
     assert step.routing_steps == 4
     for worst_layer, layer in zip(worst.layers, step.layers, strict=True):
-        assert worst_layer.expert_bytes == 0 and worst_layer.expert_seconds == 0
-        if worst_layer.copy_bytes:  # a layer copied per step: its experts are no longer in its copy
-            assert worst_layer.copy_bytes - layer.copy_bytes == EXPERT_BYTES
+        # Without a trace (and no top-k), every expert may miss at each call.
+        assert worst_layer.expert_bytes == EXPERT_BYTES and worst_layer.expert_routed == 4
+        assert worst_layer.copy_bytes == layer.copy_bytes  # the experts are in neither copy
+        if layer.copy_bytes:
             assert layer.copy_bytes == 32
         assert layer.compute_seconds == worst_layer.compute_seconds  # the experts still run
     zero, one = step.layers[0], step.layers[1]
@@ -103,13 +104,16 @@ def test_belady_is_reported_beside_the_policy_on_the_same_slots() -> None:
     assert f"({step.expert_bytes} bytes) of misses per step" in text
 
 
-def test_without_a_trace_the_estimate_and_its_rendering_are_unchanged() -> None:
+def test_without_a_trace_every_expert_may_miss_and_the_text_says_it_is_the_worst_case() -> None:
+    """No module here says its top-k: each call may route, and miss, all 4 experts."""
     plan = _plan()
     step = estimate(plan, PROFILE, WORKLOAD)
     assert step.routing_steps == 0 and step.expert_hit_rate is None and step.belady_hit_rate is None
     copied = [layer for layer in step.layers if layer.copy_bytes]
-    assert copied and all(layer.copy_bytes == 32 + EXPERT_BYTES for layer in copied)
-    assert "experts ms" not in render_estimate(step) and "routing trace" not in render_estimate(step)
+    assert copied and all(layer.copy_bytes == 32 for layer in copied)
+    assert all(layer.expert_bytes == EXPERT_BYTES for layer in step.layers)
+    text = render_estimate(step)
+    assert "experts ms" in text and "the worst case without a routing trace" in text and "hit rate" not in text
 
 
 def test_a_trace_of_modules_without_a_cache_leaves_them_out() -> None:
