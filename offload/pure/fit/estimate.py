@@ -24,9 +24,10 @@ The model, per layer ``l`` of a step:
   host memory (``miss bytes / link rate``, after ``miss bytes / disk rate`` where its
   experts are on the disk tier) and its hits from their slots into their rows (``2 x hit
   bytes / weight-read rate``: a read and a write; 0 where the profile has no such rate),
-  and the layer waits for them (no expert is copied ahead of its call). The misses' copies
-  cross the one link: they queue behind every copy issued before them (one copy stream),
-  and that wait is the layer's stall. The misses and hits per step are the trace's mean through the plan's policy
+  and the layer waits for them (no expert is copied ahead of its call). The misses' reads
+  and copies take the one disk and the one link: they queue behind the reads and copies
+  issued before them (one copy stream), and that wait is the layer's stall. The misses and
+  hits per step are the trace's mean through the plan's policy
   (`offload.pure.experts.expected`). Without a trace, the worst case: at each call over T
   tokens, as many of the min(E, T x top_k) experts it may route as can miss do (all E
   where the module does not say its top-k, `ExpertGroup.top_k`; `bounded_loads`), costed

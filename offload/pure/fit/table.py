@@ -100,9 +100,8 @@ class Table:
     cache_bytes: tuple[int, ...] = ()  # per layer: its expert caches' bytes if prefetched; (): none
     cache_keys: tuple[frozenset[Key], ...] = ()  # per layer: the buffer keys its caches serve; (): none
     served_bytes: tuple[int, ...] = ()  # per layer: the bytes of the parameters its caches serve; (): none
-    # With a routing trace (or top-k bounds), per layer: its wait at its experts' calls
-    # for its hits (seconds) and the bytes its caches copy from host memory, per step;
-    # (): neither (every expert copied with its layer).
+    # Per layer: its wait at its experts' calls for its hits (seconds) and the bytes its
+    # caches copy from host memory, per step, over a trace or their worst case; (): no caches.
     expert_wait: tuple[float, ...] = ()
     expert_moved: tuple[float, ...] = ()
     expert_cache: bool = True  # the plans' `OffloadConfig.expert_cache`
@@ -118,8 +117,7 @@ class Table:
     @property
     def copied_bytes(self) -> tuple[int, ...]:
         """Per layer, the bytes its prefetch copy moves: its offloadable storages, less
-        those its expert caches serve where a routing trace (or the top-k bound) costs them
-        at their call."""
+        those its expert caches serve (copied at their calls)."""
         if not self.expert_wait:
             return self.layer_bytes
         return tuple(b - s for b, s in zip(self.layer_bytes, self.served_bytes, strict=True))
