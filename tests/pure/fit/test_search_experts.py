@@ -101,7 +101,7 @@ def test_fit_of_a_moe_model_fits_by_its_plan_and_is_as_fast_as_any_configuration
         spec: ModelSpec, env: EnvSnapshot, tokens: int, fraction: float) -> None:
     budget = int(spec.nbytes * fraction)
     found = [oracle(spec, env, tokens, budget, 0, (), expert_slots=1)]
-    if at_call(spec):  # the top-k bounds cost the caches' misses at their calls: streaming whole may win
+    if at_call(spec):  # the caches wait for their misses at their calls: streaming whole may win
         found.append(oracle(spec, env, tokens, budget, 0, (), expert_cache=False))
     steps = [step for step in found if step is not None]
     best = min(steps) if steps else None
