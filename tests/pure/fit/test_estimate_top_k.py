@@ -1,6 +1,7 @@
-"""The step estimate without a routing trace, where every experts module says its top-k
-(`ExpertGroup.top_k`): each layer's caches are costed at their calls for the worst case a
-step can make them copy (`offload.pure.experts.expected.bounded_loads`).
+"""The step estimate without a routing trace: each layer's caches are costed at their calls
+for the worst case a step can make them copy, bounded by each module's top-k
+(`ExpertGroup.top_k`; every expert where a module does not say it:
+`offload.pure.experts.expected.bounded_loads`).
 
 The bound is checked against traces, not against a formula: a trace that routes T x top-k
 experts no call has seen before (every one a miss) costs exactly the bound, and any Zipf
