@@ -143,8 +143,9 @@ def find_experts(index: int, layer: nn.Module, spec: LayerSpec) -> tuple[ExpertG
     """
     specs = {p.name: p for p in spec.params}
     found: list[ExpertGroup] = []
-    for path, module in layer.named_modules():
-        parent = layer.get_submodule(path.rpartition(".")[0]) if path else None
+    modules = dict(layer.named_modules())
+    for path, module in modules.items():
+        parent = modules.get(path.rpartition(".")[0]) if path else None
         if isinstance(module, nn.ModuleList):
             group = _list_group(index, path, module, parent, specs) if parent is not None else None
         else:

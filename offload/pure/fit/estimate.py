@@ -327,9 +327,7 @@ def _from_loads(
     # copies its hits from their slots (with its compute).
     calls = {layer: (expert_reads.get(layer, 0.0), load.miss_bytes / rate) for layer, load in load_of.items()}
     hits = [hit_seconds(load_of[layer], profile) if layer in load_of else 0.0 for layer in range(len(compute))]
-    waits = [
-        expert_seconds(load_of[layer], rate, profile) + expert_reads.get(layer, 0.0) if layer in load_of else 0.0
-        for layer in range(len(compute))]
+    waits = [calls[layer][1] + hits[layer] + calls[layer][0] if layer in calls else 0.0 for layer in range(len(compute))]
     extra = [u / uva_rate + d / rate + x for u, d, x in zip(uva_bytes, on_demand_bytes, hits, strict=True)]
     busy = [c + e for c, e in zip(compute, extra, strict=True)]
     copy = [copy_bytes[layer] / rate for layer in positions]

@@ -40,9 +40,8 @@ class HostBounds:
 
     def joined(self, other: HostBounds) -> HostBounds:
         """The bounds over both searches' configurations."""
-        least_device = _less(self.least_device, other.least_device)
         return attrs.evolve(self, least_host=_less(self.least_host, other.least_host),
-                            least_device=least_device if least_device is not None else self.least_device)
+                            least_device=min(self.least_device, other.least_device, key=lambda least: least[0]))
 
     def refusal(self) -> Refusal:
         """The error naming both bounds (some configuration fits the device budget)."""
